@@ -1,0 +1,1 @@
+"""specjax: speculative decoding and draft distillation in JAX."""
