@@ -1,0 +1,18 @@
+"""Model definitions shared by targets, drafts, teachers and students."""
+
+from specjax.models.config import TransformerConfig
+from specjax.models.functional import apply, apply_cached, merge, split
+from specjax.models.kv_cache import KVCache, check_capacity, init_cache
+from specjax.models.transformer import Transformer
+
+__all__ = [
+    'KVCache',
+    'Transformer',
+    'TransformerConfig',
+    'apply',
+    'apply_cached',
+    'check_capacity',
+    'init_cache',
+    'merge',
+    'split',
+]

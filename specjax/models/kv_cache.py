@@ -1,0 +1,75 @@
+"""KV cache: an explicit pytree with per-layer keys/values and per-row lengths.
+
+A cached call writes its T new tokens at each row's own length and advances the row by its count
+of valid new tokens; rolling back rejected tokens is lowering a row's length. Entries at or past a
+row's length are masked and never read. `lax.dynamic_update_slice` clamps a write that would run
+past the end back onto valid entries, so callers check capacity (`check_capacity`) before
+compiling: a write at length L of T tokens needs L + T <= capacity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.models.config import TransformerConfig
+
+
+@struct.dataclass
+class KVCache:
+    """k, v: per layer [B, capacity, n_kv_heads, head_dim]; lengths: int32 [B] valid entries."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+
+def check_capacity(capacity: int, needed: int, what: str = 'cache capacity') -> None:
+    """Raises ValueError if `needed` positions do not fit in `capacity` (before any compile)."""
+    if needed > capacity:
+        raise ValueError(
+            f'{what}: needs {needed} positions but the cache capacity is {capacity}; '
+            'writes past the end would be clamped onto valid entries'
+        )
+
+
+def init_cache(
+    cfg: TransformerConfig, batch_size: int, capacity: int, lengths=None, dtype=None
+) -> KVCache:
+    """An empty (or `lengths`-prefilled-with-zeros) cache of `capacity` <= cfg.max_len positions."""
+    if capacity < 1 or capacity > cfg.max_len:
+        raise ValueError(
+            f'cache capacity={capacity} must be in [1, max_len={cfg.max_len}] '
+            '(TransformerConfig.max_len bounds every position, scratch positions included)'
+        )
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+    if lengths is None:
+        lengths = jnp.zeros((batch_size,), jnp.int32)
+    return KVCache(
+        k=zeros,
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        lengths=jnp.asarray(lengths, jnp.int32),
+    )
+
+
+def write(cache_BCKD, new_BTKD, lengths_B):
+    """Writes each row's T new entries at that row's length."""
+    update = lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0))
+    return jax.vmap(update)(cache_BCKD, new_BTKD.astype(cache_BCKD.dtype), lengths_B)
+
+
+def cached_mask(lengths_B, num_new: int, capacity: int):
+    """[B, T, capacity] mask: query t of row b (at position lengths[b] + t) sees keys j <= it."""
+    query_pos = lengths_B[:, None] + jnp.arange(num_new)[None, :]
+    return jnp.arange(capacity)[None, None, :] <= query_pos[:, :, None]

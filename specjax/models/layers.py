@@ -1,0 +1,110 @@
+"""Building blocks of the decoder: parameters with logical axes, RMSNorm, RoPE, attention, SwiGLU.
+
+Parameters carry logical axis names (metadata key `out_sharding`) and are created with eager
+sharding off, so a model builds and runs outside any mesh; meshes map the names via rules held in
+configs (specjax.parallel). No mesh axis name appears here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_INIT_STD = 0.02
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, std=_INIT_STD, ones=False) -> nnx.Param:
+    """A parameter of `shape` annotated with logical `axes` (one name per dimension)."""
+    assert len(shape) == len(axes), (shape, axes)
+    if ones:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ('norm',), param_dtype, ones=True)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTHD, positions_BT, theta: float):
+    """Rotary embedding in Hugging Face Llama's rotate-half layout: x*cos + rotate_half(x)*sin."""
+    head_dim = x_BTHD.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    x = x_BTHD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x_BTHD.dtype)
+
+
+def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+    """Grouped-query attention of T queries over S keys; softmax in float32.
+
+    H query heads share K = n_kv_heads key/value heads in groups of H // K. Masked-out keys get
+    a large negative score (a fully masked row yields a harmless uniform average, never NaN).
+    """
+    b, t, h, d = q_BTHD.shape
+    kv = k_BSKD.shape[2]
+    q = q_BTHD.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum('btkgd,bskd->bkgts', q, k_BSKD, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+    out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BSKD)
+    return out.reshape(b, t, h, d)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped key/value heads and rotary positions."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        e, h, k, d, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
+        out_std = _INIT_STD / (2 * cfg.n_layers) ** 0.5
+        self.q = param(rngs, (e, h, d), ('embed', 'heads', 'head_dim'), pd)
+        self.k = param(rngs, (e, k, d), ('embed', 'kv_heads', 'head_dim'), pd)
+        self.v = param(rngs, (e, k, d), ('embed', 'kv_heads', 'head_dim'), pd)
+        self.o = param(rngs, (h, d, e), ('heads', 'head_dim', 'embed'), pd, std=out_std)
+        self.theta = cfg.rope_theta
+        self.dtype = cfg.dtype
+
+    def project_qkv(self, x_BTE, positions_BT):
+        """Returns rotated q [B, T, H, D], rotated k [B, T, K, D] and v [B, T, K, D]."""
+        dt = self.dtype
+        q = jnp.einsum('bte,ehd->bthd', x_BTE, self.q.value.astype(dt))
+        k = jnp.einsum('bte,ekd->btkd', x_BTE, self.k.value.astype(dt))
+        v = jnp.einsum('bte,ekd->btkd', x_BTE, self.v.value.astype(dt))
+        return rope(q, positions_BT, self.theta), rope(k, positions_BT, self.theta), v
+
+    def project_out(self, out_BTHD):
+        return jnp.einsum('bthd,hde->bte', out_BTHD, self.o.value.astype(self.dtype))
+
+
+class SwiGLU(nnx.Module):
+    """Gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        e, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        self.gate = param(rngs, (e, f), ('embed', 'mlp'), pd)
+        self.up = param(rngs, (e, f), ('embed', 'mlp'), pd)
+        self.down = param(
+            rngs, (f, e), ('mlp', 'embed'), pd, std=_INIT_STD / (2 * cfg.n_layers) ** 0.5
+        )
+        self.dtype = cfg.dtype
+
+    def __call__(self, x_BTE):
+        dt = self.dtype
+        gate = jnp.einsum('bte,ef->btf', x_BTE, self.gate.value.astype(dt))
+        up = jnp.einsum('bte,ef->btf', x_BTE, self.up.value.astype(dt))
+        return jnp.einsum('btf,fe->bte', jax.nn.silu(gate) * up, self.down.value.astype(dt))

@@ -1,0 +1,100 @@
+"""The one decoder every role shares (target, draft, teacher, student): Llama-style, Flax NNX."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models import kv_cache as kvc
+from specjax.models.config import TransformerConfig
+from specjax.models.layers import Attention, RMSNorm, SwiGLU, attend, param
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention then SwiGLU."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        self.mlp = SwiGLU(cfg, rngs=rngs)
+
+    def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
+        """Without cache_kv, attends within the T tokens; with (k, v) caches, writes and attends."""
+        q, k, v = self.attn.project_qkv(self.attn_norm(x_BTE), positions_BT)
+        if cache_kv is not None:
+            k = kvc.write(cache_kv[0], k, lengths_B)
+            v = kvc.write(cache_kv[1], v, lengths_B)
+        x_BTE = x_BTE + self.attn.project_out(
+            attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
+        )
+        return x_BTE + self.mlp(self.mlp_norm(x_BTE)), (k, v)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: embed -> n_layers blocks -> RMSNorm -> (tied or untied) float32 logits."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        cfg = config
+        self.config = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.param_dtype)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(
+                rngs, (cfg.d_model, cfg.vocab_size), ('embed', 'vocab'), cfg.param_dtype
+            )
+
+    def _embed(self, tokens_BT):
+        return jnp.take(self.embed.value, tokens_BT, axis=0).astype(self.config.dtype)
+
+    def _logits(self, x_BTE):
+        x = self.final_norm(x_BTE)
+        if self.config.tie_embeddings:
+            w = self.embed.value.astype(self.config.dtype)
+            return jnp.einsum('bte,ve->btv', x, w, preferred_element_type=jnp.float32)
+        w = self.lm_head.value.astype(self.config.dtype)
+        return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """tokens int32 [B, T] -> logits float32 [B, T, V].
+
+        Causal; with segment_ids [B, T] (0 = padding) attention is block-diagonal, so packed
+        documents never see each other. positions default to 0..T-1 per row.
+        """
+        b, t = tokens.shape
+        if t > self.config.max_len:
+            raise ValueError(
+                f'sequence length {t} is above TransformerConfig.max_len={self.config.max_len}'
+            )
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = jnp.tril(jnp.ones((t, t), bool))[None]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = jnp.broadcast_to(mask, (b, t, t))
+        x = self._embed(tokens)
+        for block in self.blocks:
+            x, _ = block(x, positions, mask)
+        return self._logits(x)
+
+    def decode(self, tokens, num_valid, cache: kvc.KVCache):
+        """Cached call: tokens int32 [B, T], num_valid int32 [B] -> (logits [B, T, V], cache).
+
+        Writes all T tokens at each row's cache length and advances each row by num_valid[b]; logits
+        at t >= num_valid[b] are meaningless. Prefill (right-padded prompts), one-token decode, the
+        draft's 1-2 token catch-up and (k+1)-token verification all use this path.
+        """
+        b, t = tokens.shape
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
+        x = self._embed(tokens)
+        ks, vs = [], []
+        for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
+            x, (k, v) = block(x, positions, mask, (k, v), cache.lengths)
+            ks.append(k)
+            vs.append(v)
+        new_cache = kvc.KVCache(
+            k=tuple(ks), v=tuple(vs), lengths=cache.lengths + jnp.asarray(num_valid, jnp.int32)
+        )
+        return self._logits(x), new_cache

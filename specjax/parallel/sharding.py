@@ -1,0 +1,73 @@
+"""Logical axis names -> mesh shardings, by the explicit rules held in config.mesh.rules."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def _rules_dict(rules) -> dict:
+    return {name: (tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules}
+
+
+def logical_to_spec(logical_axes, rules) -> PartitionSpec:
+    """('embed', 'mlp') -> PartitionSpec('fsdp', 'tensor'); an unknown logical axis is an error.
+
+    A mesh axis already used by an earlier dimension is not reused (that dimension replicates).
+    """
+    table = _rules_dict(rules)
+    used, out = set(), []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ValueError(
+                f'logical axis {name!r} has no rule in config.mesh.rules '
+                f'(rules cover {sorted(table)})'
+            )
+        axes = table[name]
+        flat = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        if any(a in used for a in flat):
+            out.append(None)
+            continue
+        used.update(flat)
+        out.append(axes)
+    return PartitionSpec(*out)
+
+
+def param_shardings(mesh, params, rules):
+    """NamedSharding tree matching `params` (an nnx.State whose Params carry logical axes)."""
+    specs = nnx.get_partition_spec(params)
+    to_sharding = lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), rules))
+    return jax.tree.map(to_sharding, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh, rules) -> NamedSharding:
+    """Sharding of [B, ...] batch arrays: B over the 'batch' rule, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(('batch',), rules))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def check_divisible(params, shardings) -> None:
+    """Raises ValueError naming the parameter whose dimension does not split evenly on the mesh."""
+    flat_p = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_s = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    for (path, value), sharding in zip(flat_p, flat_s, strict=True):
+        for dim, axes in zip(value.shape, sharding.spec, strict=False):
+            if axes is None:
+                continue
+            axes = axes if isinstance(axes, tuple) else (axes,)
+            size = 1
+            for a in axes:
+                size *= sharding.mesh.shape[a]
+            if dim % size:
+                name = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f'parameter {name} dimension {dim} does not divide over mesh axes {axes} '
+                    f'(size {size})'
+                )
