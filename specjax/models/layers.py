@@ -34,7 +34,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope(x_BTHD, positions_BT, theta: float):
@@ -82,13 +82,13 @@ class Attention(nnx.Module):
     def project_qkv(self, x_BTE, positions_BT):
         """Returns rotated q [B, T, H, D], rotated k [B, T, K, D] and v [B, T, K, D]."""
         dt = self.dtype
-        q = jnp.einsum('bte,ehd->bthd', x_BTE, self.q.value.astype(dt))
-        k = jnp.einsum('bte,ekd->btkd', x_BTE, self.k.value.astype(dt))
-        v = jnp.einsum('bte,ekd->btkd', x_BTE, self.v.value.astype(dt))
+        q = jnp.einsum('bte,ehd->bthd', x_BTE, self.q[...].astype(dt))
+        k = jnp.einsum('bte,ekd->btkd', x_BTE, self.k[...].astype(dt))
+        v = jnp.einsum('bte,ekd->btkd', x_BTE, self.v[...].astype(dt))
         return rope(q, positions_BT, self.theta), rope(k, positions_BT, self.theta), v
 
     def project_out(self, out_BTHD):
-        return jnp.einsum('bthd,hde->bte', out_BTHD, self.o.value.astype(self.dtype))
+        return jnp.einsum('bthd,hde->bte', out_BTHD, self.o[...].astype(self.dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -105,6 +105,6 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BTE):
         dt = self.dtype
-        gate = jnp.einsum('bte,ef->btf', x_BTE, self.gate.value.astype(dt))
-        up = jnp.einsum('bte,ef->btf', x_BTE, self.up.value.astype(dt))
-        return jnp.einsum('btf,fe->bte', jax.nn.silu(gate) * up, self.down.value.astype(dt))
+        gate = jnp.einsum('bte,ef->btf', x_BTE, self.gate[...].astype(dt))
+        up = jnp.einsum('bte,ef->btf', x_BTE, self.up[...].astype(dt))
+        return jnp.einsum('btf,fe->bte', jax.nn.silu(gate) * up, self.down[...].astype(dt))

@@ -46,14 +46,14 @@ class Transformer(nnx.Module):
             )
 
     def _embed(self, tokens_BT):
-        return jnp.take(self.embed.value, tokens_BT, axis=0).astype(self.config.dtype)
+        return jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.config.dtype)
 
     def _logits(self, x_BTE):
         x = self.final_norm(x_BTE)
         if self.config.tie_embeddings:
-            w = self.embed.value.astype(self.config.dtype)
+            w = self.embed[...].astype(self.config.dtype)
             return jnp.einsum('bte,ve->btv', x, w, preferred_element_type=jnp.float32)
-        w = self.lm_head.value.astype(self.config.dtype)
+        w = self.lm_head[...].astype(self.config.dtype)
         return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions=None, segment_ids=None):
