@@ -1,0 +1,88 @@
+"""Meshes and sharding rules, including a 4-device simulated mesh in one subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from flax import nnx
+
+from specjax.models import Transformer, TransformerConfig, split
+from specjax.parallel import default_mesh_config, logical_to_spec, make_mesh, param_shardings
+from specjax.parallel.mesh import resolve_shape
+
+_SCRIPT = textwrap.dedent(
+    """
+  import jax, jax.numpy as jnp, numpy as np
+  from flax import nnx
+  from specjax.models import Transformer, TransformerConfig, apply, split
+  from specjax.parallel import (batch_sharding, check_divisible, default_mesh_config, make_mesh,
+                                param_shardings)
+  assert jax.device_count() == 4, jax.devices()
+  jax.config.update('jax_default_matmul_precision', 'highest')
+  cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                          d_ff=64, max_len=32)
+  graphdef, params = split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+  loss = lambda p, t: jnp.mean(apply(graphdef, p, t) ** 2)
+  ref_logits = np.asarray(jax.jit(apply, static_argnums=0)(graphdef, params, tokens))
+  ref_grad = jax.jit(jax.grad(loss))(params, tokens)
+  mc = default_mesh_config()
+  mc.shape = (2, 1, 2)  # data x fsdp x tensor
+  mesh = make_mesh(mc)
+  shardings = param_shardings(mesh, params, mc.rules)
+  check_divisible(params, shardings)
+  sharded = jax.device_put(params, shardings)
+  emb = sharded['embed'][...]
+  assert emb.sharding.spec == jax.sharding.PartitionSpec('tensor', 'fsdp'), emb.sharding
+  tok = jax.device_put(tokens, batch_sharding(mesh, mc.rules))
+  fwd = jax.jit(apply, static_argnums=0, in_shardings=(shardings, batch_sharding(mesh, mc.rules)))
+  np.testing.assert_allclose(fwd(graphdef, sharded, tok), ref_logits, atol=1e-5)
+  grad = jax.jit(jax.grad(loss), out_shardings=shardings)(sharded, tok)
+  for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  print('SHARDED_OK')
+  """
+)
+
+
+def test_four_device_mesh_matches_single_device():
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4')
+    out = subprocess.run(
+        [sys.executable, '-c', _SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert 'SHARDED_OK' in out.stdout, out.stderr[-3000:]
+
+
+def test_rules_map_every_parameter_axis():
+    cfg = TransformerConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_len=32,
+        tie_embeddings=False,
+    )
+    _, params = split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    mc = default_mesh_config()
+    shardings = param_shardings(make_mesh(mc), params, mc.rules)
+    assert shardings['lm_head'].get_value().spec == logical_to_spec(('embed', 'vocab'), mc.rules)
+
+
+def test_missing_rule_and_bad_mesh_shape_name_the_field():
+    with pytest.raises(ValueError, match="logical axis 'mlp'"):
+        logical_to_spec(('embed', 'mlp'), (('embed', 'fsdp'),))
+    with pytest.raises(ValueError, match='config.mesh.shape'):
+        resolve_shape(('data', 'tensor'), (3, -1), 4)
+    with pytest.raises(ValueError, match='config.mesh.shape'):
+        resolve_shape(('data', 'tensor'), (-1, -1), 4)
+    assert resolve_shape(('data', 'fsdp', 'tensor'), (-1, 2, 1), 8) == (4, 2, 1)
+    # A mesh axis is never used twice in one spec.
+    assert logical_to_spec(('heads', 'mlp'), (('heads', 'tensor'), ('mlp', 'tensor'))) == (
+        logical_to_spec(('heads', None), (('heads', 'tensor'),))
+    )
