@@ -1,5 +1,6 @@
 """Meshes, logical-axis sharding rules and multi-host helpers."""
 
+from specjax.parallel.distributed import initialize_from_env, is_main_process
 from specjax.parallel.mesh import DEFAULT_RULES, default_mesh_config, make_mesh
 from specjax.parallel.sharding import (
     batch_sharding,
@@ -14,6 +15,8 @@ __all__ = [
     'batch_sharding',
     'check_divisible',
     'default_mesh_config',
+    'initialize_from_env',
+    'is_main_process',
     'logical_to_spec',
     'make_mesh',
     'param_shardings',

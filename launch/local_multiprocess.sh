@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs N cooperating JAX processes on this machine (CPU, gloo collectives), as a pod would.
+# Usage: launch/local_multiprocess.sh NUM_PROCESSES DEVICES_PER_PROCESS -- <python -m specjax.main args>
+# Example: launch/local_multiprocess.sh 2 2 -- --config=configs/target.py:size=tiny \
+#            --config.mesh.shape='(-1,1,1)' --workdir=/tmp/mp_run
+set -euo pipefail
+num="${1:?number of processes}"; per="${2:?devices per process}"; shift 2
+[ "${1:-}" = "--" ] && shift
+port="${SPECJAX_PORT:-$((20000 + RANDOM % 20000))}"
+pids=()
+for ((i = 0; i < num; i++)); do
+  SPECJAX_COORDINATOR="127.0.0.1:${port}" SPECJAX_NUM_PROCESSES="$num" SPECJAX_PROCESS_ID="$i" \
+    SPECJAX_CPU_DEVICES_PER_PROCESS="$per" JAX_PLATFORMS=cpu \
+    python -m specjax.main "$@" > "proc_${i}.log" 2>&1 &
+  pids+=($!)
+done
+trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+tail -n 5 proc_0.log
+exit "$status"

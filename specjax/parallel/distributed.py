@@ -1,0 +1,53 @@
+"""Multi-process start-up: one call at the top of main, a no-op on a single machine.
+
+Cloud TPU VMs and GKE TPU slices are detected by JAX itself (`jax.distributed.initialize()` with
+no arguments). Elsewhere (GPU clusters, several CPU processes on one machine) the launcher sets
+SPECJAX_COORDINATOR=host:port, SPECJAX_NUM_PROCESSES and SPECJAX_PROCESS_ID (see launch/).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+ENV_COORDINATOR = 'SPECJAX_COORDINATOR'
+ENV_NUM_PROCESSES = 'SPECJAX_NUM_PROCESSES'
+ENV_PROCESS_ID = 'SPECJAX_PROCESS_ID'
+ENV_LOCAL_DEVICES = 'SPECJAX_CPU_DEVICES_PER_PROCESS'
+
+
+def _int_env(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f'environment variable {name}={value!r} is not an integer') from None
+
+
+def initialize_from_env(force_tpu: bool = False) -> bool:
+    """Initialises jax.distributed when the environment asks for it; returns whether it did."""
+    if ENV_COORDINATOR in os.environ:
+        num, pid = _int_env(ENV_NUM_PROCESSES), _int_env(ENV_PROCESS_ID)
+        if not 0 <= pid < num:
+            raise ValueError(f'{ENV_PROCESS_ID}={pid} is outside [0, {ENV_NUM_PROCESSES}={num})')
+        if ENV_LOCAL_DEVICES in os.environ:  # CPU-only clusters: gloo collectives, N devices each
+            jax.config.update('jax_num_cpu_devices', _int_env(ENV_LOCAL_DEVICES))
+            jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+        jax.distributed.initialize(
+            coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num, process_id=pid
+        )
+        return True
+    if (
+        force_tpu
+        or os.environ.get('TPU_WORKER_HOSTNAMES')
+        or os.environ.get('MEGASCALE_COORDINATOR_ADDRESS')
+    ):
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def is_main_process() -> bool:
+    """Process 0 writes summaries, prints and owns workdir-level files."""
+    return jax.process_index() == 0
