@@ -7,6 +7,8 @@ import os
 import jax
 import pytest
 
+pytest_plugins = ['data_fixtures']
+
 _CACHE = os.environ.get(
     'SPECJAX_JAX_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'specjax', 'jax-cache')
 )
