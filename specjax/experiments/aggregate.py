@@ -1,0 +1,356 @@
+"""Sweep results -> means and bootstrap intervals over seeds -> summary.{md,csv,json}.
+
+Interval: percentile bootstrap of the mean over a configuration's seeds (resample the n seed values
+with replacement `resamples` times from np.random.default_rng(seed), take the mean of each
+resample, report the (1 - confidence)/2 and (1 + confidence)/2 percentiles). Undefined (NaN) for
+fewer than 2 seeds. With 3 seeds there are only 10 distinct resamples, so the interval is close
+to [min, max] of the seed values: treat it as a spread, not a calibrated 95% interval.
+
+Verdict per metric: the best configuration is the one with the best mean (higher or lower,
+per metric). It is the *winner* when its interval overlaps no other configuration's interval
+(closed intervals; this includes the runner-up, and also catches a lower-mean point whose wide
+interval reaches past the best). Otherwise: "no clear winner", listing the overlapping points.
+If any configuration with data has fewer than 2 seeds there is no interval and no verdict.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+
+import numpy as np
+
+from specjax.experiments.sweep_spec import RESULTS_FILE, point_dir, read_status, sha256_file
+
+
+def bootstrap_ci(values, *, confidence=0.95, resamples=2000, seed=0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the mean of `values` [n]; (nan, nan) for n < 2."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f'values must be 1-D, got shape {x.shape}')
+    if x.size < 2:
+        return math.nan, math.nan
+    if not 0 < confidence < 1:
+        raise ValueError(f'confidence must be in (0, 1), got {confidence!r}')
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+    tail = 100 * (1 - confidence) / 2
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def verdict(stats: dict[str, dict], higher_is_better: bool) -> dict:
+    """stats: label -> {'mean', 'lo', 'hi', 'n'}; returns best, kind and overlapping labels."""
+    rows = {k: s for k, s in stats.items() if s['n'] > 0 and math.isfinite(s['mean'])}
+    if not rows:
+        return {'best': None, 'kind': 'no data', 'overlaps': [], 'text': 'no data'}
+    sign = 1 if higher_is_better else -1
+    best = max(rows, key=lambda k: sign * rows[k]['mean'])
+    if len(rows) == 1:
+        return {'best': best, 'kind': 'only point', 'overlaps': [], 'text': f'only {best}'}
+    few = sorted(k for k, s in rows.items() if s['n'] < 2)
+    if few:
+        text = f'no interval ({len(few)} of {len(rows)} points have < 2 seeds); best mean: {best}'
+        return {'best': best, 'kind': 'no interval', 'overlaps': [], 'text': text}
+    b = rows[best]
+    overlaps = [
+        k for k, s in rows.items() if k != best and s['lo'] <= b['hi'] and b['lo'] <= s['hi']
+    ]
+    overlaps.sort(key=lambda k: -sign * rows[k]['mean'])
+    if overlaps:
+        text = f'no clear winner (best mean {best} overlaps {", ".join(overlaps)})'
+        return {'best': best, 'kind': 'no clear winner', 'overlaps': overlaps, 'text': text}
+    return {'best': best, 'kind': 'winner', 'overlaps': [], 'text': f'winner: {best}'}
+
+
+def lookup(results: dict, key: str):
+    """results['a']['b'] for key 'a.b' (or results['a.b']); None if absent, not a number or NaN."""
+    node = results
+    if key in node:
+        node = node[key]
+    else:
+        for part in key.split('.'):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+    if isinstance(node, bool) or not isinstance(node, int | float) or not math.isfinite(node):
+        return None
+    return float(node)
+
+
+def numeric_keys(results: dict, prefix: str = '') -> list[str]:
+    keys = []
+    for k, v in results.items():
+        if isinstance(v, dict):
+            keys += numeric_keys(v, f'{prefix}{k}.')
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            keys.append(prefix + k)
+    return keys
+
+
+def collect(plan, sweep) -> dict:
+    """Reads every point's status and results.json; computes the summary dict."""
+    points, results = [], {}
+    for run in plan.points:
+        wd = point_dir(plan, run)
+        rel = os.path.relpath(os.path.join(wd, RESULTS_FILE), plan.workdir)
+        status = read_status(wd) or {}
+        entry = {
+            'name': run.name,
+            'label': run.label,
+            'seed': run.seed,
+            'status': status.get('status', 'not run'),
+            'results': rel,
+            'duration_s': status.get('duration_s'),
+            'cpu_s': status.get('cpu_s'),
+        }
+        path = os.path.join(wd, RESULTS_FILE)
+        if entry['status'] == 'complete' and not os.path.isfile(path):
+            entry['status'] = 'results.json missing'
+        if entry['status'] == 'complete':
+            with open(path) as f:
+                results[run.name] = json.load(f)
+            entry['results_sha256'] = sha256_file(path)
+            if entry['results_sha256'] != status.get('results_sha256'):
+                entry['warning'] = 'results.json changed after the point finished'
+        elif 'error' in status:
+            entry['error'] = status['error']
+            entry['log'] = os.path.relpath(os.path.join(wd, status.get('log', '')), plan.workdir)
+        points.append(entry)
+
+    metrics = list(sweep.metrics) or sorted({k for r in results.values() for k in numeric_keys(r)})
+    guessed = set() if sweep.metrics else {m for m in metrics if 'loss' in m}
+    minimize = set(sweep.minimize) | guessed
+    configurations = []
+    for label in plan.labels:
+        runs = [r for r in plan.points if r.label == label]
+        done = [r for r in runs if r.name in results]
+        stats = {}
+        for m in metrics:
+            pairs = [(r.seed, lookup(results[r.name], m)) for r in done]
+            pairs = [(s, v) for s, v in pairs if v is not None]
+            values = [v for _, v in pairs]
+            lo, hi = bootstrap_ci(
+                values,
+                confidence=sweep.confidence,
+                resamples=sweep.bootstrap_resamples,
+                seed=sweep.bootstrap_seed,
+            )
+            mean = float(np.mean(values)) if values else math.nan
+            stats[m] = {
+                'mean': mean,
+                'lo': lo,
+                'hi': hi,
+                'n': len(values),
+                'values': values,
+                'seeds': [s for s, _ in pairs],
+            }
+        configurations.append(
+            {
+                'label': label,
+                'fields': {k: v for k, v in runs[0].fields},
+                'variant': label in plan.variants,
+                'n_complete': len(done),
+                'n_points': len(runs),
+                'metrics': stats,
+                'sources': [
+                    p['results'] for p in points if p['label'] == label and p['name'] in results
+                ],
+            }
+        )
+    verdicts = []
+    for m in metrics:
+        higher = m not in minimize
+        v = verdict({c['label']: c['metrics'][m] for c in configurations}, higher)
+        verdicts.append({'metric': m, 'better': 'higher' if higher else 'lower', **v})
+    return {
+        'workdir': plan.workdir,
+        'base': plan.base.flag,
+        'grid_fields': list(plan.grid_fields),
+        'seeds': sorted({r.seed for r in plan.points}),
+        'interval': {
+            'method': 'percentile bootstrap of the mean over seeds',
+            'confidence': sweep.confidence,
+            'resamples': sweep.bootstrap_resamples,
+            'rng_seed': sweep.bootstrap_seed,
+        },
+        'metrics': verdicts,
+        'configurations': configurations,
+        'points': points,
+    }
+
+
+def fmt(x: float) -> str:
+    return 'nan' if not math.isfinite(x) else f'{x:.4g}'
+
+
+def cell(s: dict, bold: bool = False) -> str:
+    if s['n'] == 0:
+        return '—'
+    text = fmt(s['mean'])
+    if math.isfinite(s['lo']):
+        text += f' [{fmt(s["lo"])}, {fmt(s["hi"])}]'
+    else:
+        text += f' (n={s["n"]})'
+    return f'**{text}**' if bold else text
+
+
+def run_time(summary: dict) -> str:
+    done = [p for p in summary['points'] if p['status'] == 'complete' and p['duration_s']]
+    if not done:
+        return ''
+    wall = [p['duration_s'] for p in done]
+    cpu = [p['cpu_s'] for p in done if p.get('cpu_s') is not None]
+    text = f'; point wall time total {sum(wall):.0f} s, median {float(np.median(wall)):.0f} s'
+    if cpu:
+        text += f'; CPU time total {sum(cpu):.0f} s, median {float(np.median(cpu)):.0f} s'
+    return text
+
+
+def _row(cells) -> str:
+    return '| ' + ' | '.join(str(c) for c in cells) + ' |'
+
+
+def markdown(summary: dict) -> str:
+    """The summary as a markdown report (tables, verdicts, failures, sources)."""
+    iv = summary['interval']
+    confs, fields = summary['configurations'], summary['grid_fields']
+    names = [m['metric'] for m in summary['metrics']]
+    best = {m['metric']: m['best'] for m in summary['metrics']}
+    n_done = sum(p['status'] == 'complete' for p in summary['points'])
+    lines = [
+        '# Sweep summary',
+        '',
+        f'Base config `{summary["base"]}`, seeds {summary["seeds"]}, '
+        f'{n_done}/{len(summary["points"])} points complete{run_time(summary)}.',
+        '',
+        f'Cells: mean over seeds [{iv["confidence"]:.0%} interval: {iv["method"]}, '
+        f'{iv["resamples"]} resamples, RNG seed {iv["rng_seed"]}]. Bold: best mean per column.',
+        '',
+        _row(['point', *[f.rsplit('.', 1)[-1] for f in fields], 'seeds', *names]),
+        _row(['---'] * (2 + len(fields) + len(names))),
+    ]
+    for c in confs:
+        values = [c['fields'].get(f, '') for f in fields]
+        metric_cells = [cell(c['metrics'][m], best[m] == c['label']) for m in names]
+        lines.append(
+            _row([c['label'], *values, f'{c["n_complete"]}/{c["n_points"]}', *metric_cells])
+        )
+    lines += [
+        '',
+        '## Verdicts',
+        '',
+        "Winner: the best mean's interval overlaps no other point's interval (runner-up "
+        'included); otherwise "no clear winner".',
+        '',
+        _row(['metric', 'better', 'best mean', 'verdict']),
+        _row(['---'] * 4),
+    ]
+    lines += [_row([m['metric'], m['better'], m['best'], m['text']]) for m in summary['metrics']]
+    if len(fields) == 2:
+        lines += pivot_tables(summary)
+    bad = [p for p in summary['points'] if p['status'] not in ('complete',)]
+    if bad:
+        lines += ['', '## Points not complete', '']
+        lines += [
+            f'- {p["name"]}: {p["status"]}'
+            + (f' ({p["error"]}; log `{p["log"]}`)' if 'error' in p else '')
+            for p in bad
+        ]
+    warned = [p for p in summary['points'] if 'warning' in p]
+    lines += [f'- WARNING {p["name"]}: {p["warning"]}' for p in warned]
+    lines += [
+        '',
+        '## Sources',
+        '',
+        'Every number above is computed from these files, relative to the sweep workdir '
+        '(sha256 in summary.json):',
+        '',
+    ]
+    lines += [f'- {c["label"]}: ' + ', '.join(f'`{s}`' for s in c['sources']) for c in confs]
+    return '\n'.join(lines) + '\n'
+
+
+def pivot_tables(summary: dict) -> list[str]:
+    """One table per metric: first grid field down, second across; variants listed below."""
+    f1, f2 = summary['grid_fields']
+    confs = summary['configurations']
+    grid = [c for c in confs if not c['variant']]
+    rows = list(dict.fromkeys(c['fields'][f1] for c in grid))
+    cols = list(dict.fromkeys(c['fields'][f2] for c in grid))
+    by = {(c['fields'][f1], c['fields'][f2]): c for c in grid}
+    extra = [c for c in confs if c not in grid]
+    lines = ['', '## Tables per metric', '']
+    for m in summary['metrics']:
+        name = m['metric']
+        lines += [
+            f'### {name} ({m["better"]} is better; {m["text"]})',
+            '',
+            _row([f'{f1.rsplit(".", 1)[-1]} \\ {f2.rsplit(".", 1)[-1]}', *cols]),
+            _row(['---'] * (1 + len(cols))),
+        ]
+        for r in rows:
+            cells = []
+            for col in cols:
+                c = by.get((r, col))
+                cells.append(cell(c['metrics'][name], m['best'] == c['label']) if c else '')
+            lines.append(_row([r, *cells]))
+        lines.append('')
+        lines += [
+            f'- {c["label"]}: {cell(c["metrics"][name], m["best"] == c["label"])}' for c in extra
+        ]
+        lines.append('')
+    return lines
+
+
+def write_csv(summary: dict, path: str) -> None:
+    """One row per configuration: fields, seeds done, then mean/lo/hi/n per metric."""
+    names = [m['metric'] for m in summary['metrics']]
+    fields = summary['grid_fields']
+    with open(path, 'w', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(
+            [
+                'point',
+                *fields,
+                'n_complete',
+                'n_points',
+                *[f'{m}_{s}' for m in names for s in ('mean', 'lo', 'hi', 'n')],
+            ]
+        )
+        for c in summary['configurations']:
+            stats = [c['metrics'][m][s] for m in names for s in ('mean', 'lo', 'hi', 'n')]
+            w.writerow(
+                [
+                    c['label'],
+                    *[c['fields'].get(k, '') for k in fields],
+                    c['n_complete'],
+                    c['n_points'],
+                    *stats,
+                ]
+            )
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_summary(plan, sweep) -> dict:
+    """Writes <workdir>/summary.{md,csv,json}; returns the summary dict."""
+    summary = collect(plan, sweep)
+    base = os.path.join(plan.workdir, 'summary')
+    with open(base + '.json', 'w') as f:
+        json.dump(_json_safe(summary), f, indent=1)
+        f.write('\n')
+    write_csv(summary, base + '.csv')
+    with open(base + '.md', 'w') as f:
+        f.write(markdown(summary))
+    return summary
