@@ -1,0 +1,29 @@
+"""Sampling: logits transforms, autoregressive and speculative samplers, acceptance statistics."""
+
+from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
+from specjax.sampling.common import PAD_ID, SampleOutput, check_same_tokenizer
+from specjax.sampling.speculative import make_speculative_fn, speculative_sample
+from specjax.sampling.transforms import (
+    SamplingConfig,
+    inverse_cdf,
+    sample_from_probs,
+    transform_logits,
+)
+from specjax.sampling.verify import residual, verify, verify_greedy
+
+__all__ = [
+    'PAD_ID',
+    'SampleOutput',
+    'SamplingConfig',
+    'autoregressive_sample',
+    'check_same_tokenizer',
+    'inverse_cdf',
+    'make_autoregressive_fn',
+    'make_speculative_fn',
+    'residual',
+    'sample_from_probs',
+    'speculative_sample',
+    'transform_logits',
+    'verify',
+    'verify_greedy',
+]

@@ -1,0 +1,125 @@
+"""Autoregressive sampling: one token per cached call, all steps in one jitted lax.while_loop.
+
+The baseline speculative sampling must match in distribution (and token for token when greedy).
+Rows are ragged (own prompt length, own eos); finished rows stay inert.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models import apply_cached, init_cache, split
+from specjax.sampling import common
+from specjax.sampling.transforms import SamplingConfig, sample_from_probs, transform_logits
+
+
+def autoregressive_sample(
+    model,
+    prompts,
+    prompt_lengths,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    rng,
+    eos_id=None,
+    mesh=None,
+    rules=None,
+) -> common.SampleOutput:
+    """Samples max_new_tokens per row from `model` (prompts int32 [B, P], lengths int32 [B]).
+
+    Returns tokens [B, max_new_tokens] (PAD_ID after each row's end: eos, which is kept, or
+    max_new_tokens), lengths [B] and stats (`SampleOutput`): one round per generated token.
+    """
+    graphdef, params = split(model)
+    fn = make_autoregressive_fn(
+        graphdef,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        mesh=mesh,
+        rules=rules,
+    )
+    return fn(params, prompts, prompt_lengths, rng)
+
+
+def make_autoregressive_fn(
+    graphdef, *, max_new_tokens: int, sampling: SamplingConfig, eos_id=None, mesh=None, rules=None
+):
+    """fn(params, prompts, prompt_lengths, rng) -> SampleOutput; cached like make_speculative_fn."""
+    max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
+    common.check_sampling(sampling)
+    eos_id = common.check_eos(eos_id, common.config_of(graphdef).vocab_size)
+    mesh = common.default_mesh() if mesh is None else mesh
+    return _cached_fn(graphdef, max_new, sampling, eos_id, mesh, common.normalize_rules(rules))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_fn(graphdef, max_new, sampling, eos_id, mesh, rules):
+    def check(width):
+        common.check_fits(
+            common.config_of(graphdef), width, max_new, 1, 'autoregressive_sample model'
+        )
+
+    core = functools.partial(
+        _autoregressive_core, graphdef, max_new=max_new, sampling=sampling, eos_id=eos_id
+    )
+    return common.ShardedSampler(core, mesh, rules, check)
+
+
+def _autoregressive_core(
+    graphdef, params, prompts, prompt_lengths, rng, *, max_new, sampling, eos_id
+):
+    batch, width = prompts.shape
+    cache = init_cache(common.config_of(graphdef), batch, width + max_new + 1)
+    _, cache = apply_cached(graphdef, params, prompts, prompt_lengths - 1, cache)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    state = dict(
+        cache=cache,
+        last=prompts[jnp.arange(batch), prompt_lengths - 1],
+        out=jnp.zeros((batch, max_new + 1), jnp.int32),
+        emitted=zeros,
+        done=jnp.zeros((batch,), bool),
+        step=jnp.int32(0),
+    )
+
+    def body(state):
+        active = ~state['done']
+        act = active.astype(jnp.int32)
+        logits, cache = apply_cached(graphdef, params, state['last'][:, None], act, state['cache'])
+        probs = transform_logits(logits[:, 0], sampling)
+        if sampling.greedy:
+            token = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        else:
+            token = sample_from_probs(jax.random.fold_in(rng, state['step']), probs)
+        emitted = state['emitted'] + act
+        finished = emitted >= max_new
+        if eos_id is not None:
+            finished = finished | (token == eos_id)
+        out = common.write_rows(state['out'], token[:, None], state['emitted'])
+        return dict(
+            cache=cache,
+            last=jnp.where(active, token, state['last']),
+            out=jnp.where(active[:, None], out, state['out']),
+            emitted=emitted,
+            done=state['done'] | (active & finished),
+            step=state['step'] + 1,
+        )
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s['done']), body, state)
+    lengths = state['emitted']
+    return common.SampleOutput(
+        tokens=common.finish_tokens(state['out'], lengths, max_new),
+        lengths=lengths,
+        stats=dict(
+            emitted=lengths.sum(),
+            rounds=lengths.sum(),
+            target_calls=(lengths + 1).sum(),
+            row_emitted=lengths,
+            row_rounds=lengths,
+            row_target_calls=lengths + 1,
+            batch_rounds=state['step'],
+        ),
+    )

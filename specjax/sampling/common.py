@@ -1,0 +1,206 @@
+"""Pieces both samplers share: the output type, argument checks, and jit/sharding plumbing."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from flax.nnx import graphlib
+
+from specjax.models import TransformerConfig, check_capacity
+from specjax.parallel import (
+    DEFAULT_RULES,
+    batch_sharding,
+    check_divisible,
+    default_mesh_config,
+    make_mesh,
+    param_shardings,
+    replicated,
+)
+from specjax.sampling.transforms import SamplingConfig
+
+PAD_ID = 0
+
+
+@struct.dataclass
+class SampleOutput:
+    """tokens int32 [B, max_new_tokens] (PAD_ID after a row's end); lengths int32 [B]; stats.
+
+    stats maps names to arrays. Per row ([B], or [B, k] per position): `row_rounds` rounds in
+    which the row was active (one target verification each; for autoregressive sampling one
+    generated token each), `row_emitted` (= lengths), `row_drafted` (k per round),
+    `row_examined` / `row_accepted` (proposals up to and including the first rejection / the
+    accepted ones, both only where they fall inside the row's output: nothing after eos or
+    max_new_tokens counts), `row_examined_per_position` / `row_accepted_per_position` [B, k],
+    `row_target_calls` (rounds + 1 prefill), `row_draft_calls` (k per round + 1 prefill).
+    Totals without the `row_` prefix are sums over rows; `batch_rounds` is the number of batched
+    rounds the loop ran (the slowest row's). Block efficiency tau = emitted / rounds.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    stats: dict[str, jax.Array]
+
+
+def config_of(graphdef) -> TransformerConfig:
+    """The TransformerConfig a model's graphdef holds as a static attribute."""
+    for _, attr in graphdef.attributes:
+        if isinstance(attr, graphlib.Static) and isinstance(attr.value, TransformerConfig):
+            return attr.value
+    raise ValueError(f'graphdef of {graphdef.nodes[0].type} holds no TransformerConfig')
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+    return int(value)
+
+
+def check_sampling(sampling) -> SamplingConfig:
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f'sampling must be a SamplingConfig, got {sampling!r}')
+    return sampling
+
+
+def check_eos(eos_id, vocab_size: int):
+    if eos_id is None:
+        return None
+    if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral):
+        raise ValueError(f'eos_id must be an int or None, got {eos_id!r}')
+    if not 0 <= eos_id < vocab_size:
+        raise ValueError(f'eos_id={eos_id} is outside the vocabulary [0, {vocab_size})')
+    return int(eos_id)
+
+
+def check_prompts(prompts, prompt_lengths) -> tuple[int, int]:
+    """Checks int [B, P] prompts and int [B] lengths in [1, P]; returns (B, P)."""
+    shape = np.shape(prompts)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f'prompts must be int32 [B, P] with B, P >= 1, got shape {shape}')
+    if not jnp.issubdtype(jnp.result_type(prompts), jnp.integer):
+        raise ValueError(f'prompts must be integer tokens, got dtype {jnp.result_type(prompts)}')
+    batch, width = shape
+    if np.shape(prompt_lengths) != (batch,):
+        raise ValueError(
+            f'prompt_lengths must have shape [B]=({batch},), got {np.shape(prompt_lengths)}'
+        )
+    lengths = np.asarray(prompt_lengths)
+    bad = (lengths < 1) | (lengths > width)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(
+            f'prompt_lengths[{row}]={int(lengths[row])} must be in [1, P={width}] '
+            '(every row needs at least one prompt token)'
+        )
+    return batch, width
+
+
+def check_fits(cfg: TransformerConfig, width: int, max_new_tokens: int, extra: int, who: str):
+    """Capacity = P + max_new_tokens + extra scratch positions must fit the model's max_len."""
+    check_capacity(
+        cfg.max_len,
+        width + max_new_tokens + extra,
+        f'{who}: prompt width P={width} + max_new_tokens={max_new_tokens} + {extra} '
+        f'against TransformerConfig.max_len',
+    )
+    return width + max_new_tokens + extra
+
+
+def check_same_tokenizer(meta_a, meta_b) -> None:
+    """Raises ValueError unless two checkpoints' tokenizer identities match (drafts need this)."""
+    ident = lambda m: dict(m.get('tokenizer', m)) if isinstance(m, dict) else m
+    a, b = ident(meta_a), ident(meta_b)
+    if a != b:
+        raise ValueError(f'tokenizer identities differ: {a!r} vs {b!r}')
+
+
+def as_key(rng):
+    """A PRNG key from a key (raw or typed) or an int seed."""
+    if isinstance(rng, numbers.Integral):
+        return jax.random.key(int(rng))
+    return rng
+
+
+def normalize_rules(rules) -> tuple:
+    rules = DEFAULT_RULES if rules is None else rules
+    return tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in rules)
+
+
+def default_mesh():
+    """A one-device mesh over the first device, from default_mesh_config()."""
+    return make_mesh(default_mesh_config(), devices=jax.devices()[:1])
+
+
+class ShardedSampler:
+    """jax.jit of core(*params, prompts, lengths, rng) -> SampleOutput on a mesh.
+
+    Params are sharded by `rules` (shardings built from the first params seen; the graphdef
+    fixes their structure), the batch on 'batch', the key replicated. One compile per prompt
+    shape; `check` runs the host-side argument checks before any compile.
+    """
+
+    def __init__(self, core, mesh, rules, check):
+        self.core, self.mesh, self.rules, self.check = core, mesh, rules, check
+        self._jitted, self._shardings = None, None
+
+    def __call__(self, *args) -> SampleOutput:
+        """args: (*params, prompts, prompt_lengths, rng)."""
+        args = self._prepare(args)  # builds the jit on first use
+        return self._jitted(*args)
+
+    def lower(self, *args):
+        """The jit's Lowered for these arguments (ahead-of-time compile: `.compile()`)."""
+        args = self._prepare(args)
+        return self._jitted.lower(*args)
+
+    def _prepare(self, args):
+        """Checks the arguments, builds the jit on first use, places the arguments."""
+        *params, prompts, prompt_lengths, rng = args
+        batch, width = check_prompts(prompts, prompt_lengths)
+        self.check(width)
+        batch_spec = batch_sharding(self.mesh, self.rules)
+        shards = math.prod(self.mesh.shape[a] for a in _flat(batch_spec.spec[0]))
+        if batch % shards:
+            raise ValueError(f'batch size B={batch} does not divide over {shards} batch shards')
+        if self._jitted is None:
+            param_specs = [param_shardings(self.mesh, p, self.rules) for p in params]
+            for p, spec in zip(params, param_specs, strict=True):
+                check_divisible(p, spec)
+            rep = replicated(self.mesh)
+            self._shardings = (*param_specs, batch_spec, batch_spec, rep)
+            self._jitted = jax.jit(self.core, in_shardings=self._shardings)
+        args = (*params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32))
+        return jax.device_put((*args, as_key(rng)), self._shardings)
+
+
+def _flat(axes) -> tuple:
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def write_rows(buffer_BN, block_BT, offsets_B):
+    """Writes each row's block at its own offset (caller sizes the buffer so nothing clamps)."""
+    update = lambda buf, blk, i: jax.lax.dynamic_update_slice(buf, blk, (i,))
+    return jax.vmap(update)(buffer_BN, block_BT, offsets_B)
+
+
+def finish_tokens(buffer_BN, lengths_B, max_new_tokens: int):
+    """[B, max_new_tokens] tokens with PAD_ID at and after each row's length."""
+    tokens = buffer_BN[:, :max_new_tokens]
+    keep = jnp.arange(max_new_tokens)[None, :] < lengths_B[:, None]
+    return jnp.where(keep, tokens, PAD_ID).astype(jnp.int32)
+
+
+def first_eos_count(block_BT, count_B, eos_id):
+    """Tokens of each row's block that are emitted: up to count, cut just after the first eos."""
+    if eos_id is None:
+        return count_B
+    idx = jnp.arange(block_BT.shape[1])[None, :]
+    is_eos = (block_BT == eos_id) & (idx < count_B[:, None])
+    first = jnp.where(is_eos.any(-1), jnp.argmax(is_eos, -1) + 1, count_B)
+    return jnp.minimum(count_B, first).astype(jnp.int32)

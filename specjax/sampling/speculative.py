@@ -1,0 +1,279 @@
+"""Speculative sampling (Leviathan et al. 2023): one jitted lax.while_loop over rounds.
+
+Per round and row: the draft catches up on the 1-2 tokens it has not consumed and proposes k
+tokens (k single-token cached calls in all), the target scores the pending token and the k
+proposals in one (k+1)-token cached call, `verify` accepts a prefix and draws the replacement or
+bonus token, and both caches roll back by lowering row lengths. Rows are ragged (own prompt
+length, own acceptance, own eos) and finished rows stay inert; nothing returns to the host until
+every row is done.
+
+Cache invariant at the start of a round: the target has consumed the context except its last
+token `last`; the draft has consumed it except `last` and, when the previous round accepted all
+k proposals, x_k before it (`prev`, `draft_pending` = 2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models import apply_cached, init_cache, split
+from specjax.sampling import common
+from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
+from specjax.sampling.verify import verify, verify_greedy
+
+# Deliberately wrong variants, selectable only through the private `_bug` argument, so the
+# exactness tests can show their statistics reject them (negative controls).
+_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft')
+
+
+def speculative_sample(
+    target,
+    draft,
+    prompts,
+    prompt_lengths,
+    *,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    rng,
+    eos_id=None,
+    mesh=None,
+    rules=None,
+) -> common.SampleOutput:
+    """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
+
+    prompts int32 [B, P] right-padded with lengths int32 [B] in [1, P]. Returns tokens
+    [B, max_new_tokens] (PAD_ID after each row's end: eos, which is kept, or max_new_tokens),
+    lengths [B] and acceptance stats (see `SampleOutput`).
+    """
+    target_graphdef, target_params = split(target)
+    draft_graphdef, draft_params = split(draft)
+    fn = make_speculative_fn(
+        target_graphdef,
+        draft_graphdef,
+        num_draft_tokens=num_draft_tokens,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        mesh=mesh,
+        rules=rules,
+    )
+    return fn(target_params, draft_params, prompts, prompt_lengths, rng)
+
+
+def make_speculative_fn(
+    target_graphdef,
+    draft_graphdef,
+    *,
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos_id=None,
+    mesh=None,
+    rules=None,
+    _bug=None,
+):
+    """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
+
+    Cached on its arguments: the same static settings return the same jitted function, which
+    compiles once per prompt shape. Arguments are checked here and in fn before any compile.
+    """
+    k = common.check_positive_int('num_draft_tokens', num_draft_tokens)
+    max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
+    common.check_sampling(sampling)
+    t_vocab = common.config_of(target_graphdef).vocab_size
+    d_vocab = common.config_of(draft_graphdef).vocab_size
+    if t_vocab != d_vocab:
+        raise ValueError(f'target vocab_size={t_vocab} differs from draft vocab_size={d_vocab}')
+    eos_id = common.check_eos(eos_id, t_vocab)
+    if _bug not in _BUGS:
+        raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
+    mesh = common.default_mesh() if mesh is None else mesh
+    return _cached_fn(
+        target_graphdef,
+        draft_graphdef,
+        k,
+        max_new,
+        sampling,
+        eos_id,
+        mesh,
+        common.normalize_rules(rules),
+        _bug,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_fn(target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, mesh, rules, bug):
+    def check(width):
+        for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
+            cfg = common.config_of(graphdef)
+            common.check_fits(cfg, width, max_new, k + 1, f'speculative_sample {name}')
+
+    core = functools.partial(
+        _speculative_core,
+        target_graphdef,
+        draft_graphdef,
+        k=k,
+        max_new=max_new,
+        sampling=sampling,
+        eos_id=eos_id,
+        bug=bug,
+    )
+    return common.ShardedSampler(core, mesh, rules, check)
+
+
+def _speculative_core(
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, k, max_new, sampling, eos_id, bug
+):
+    batch, width = prompts.shape
+    capacity = width + max_new + k + 1
+    rows = jnp.arange(batch)
+    tcache = init_cache(common.config_of(tgd), batch, capacity)
+    dcache = init_cache(common.config_of(dgd), batch, capacity)
+    _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
+    _, dcache = apply_cached(dgd, dparams, prompts, prompt_lengths - 1, dcache)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    state = dict(
+        tcache=tcache,
+        dcache=dcache,
+        last=prompts[rows, prompt_lengths - 1],
+        prev=zeros,
+        draft_pending=zeros + 1,
+        out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
+        emitted=zeros,
+        done=jnp.zeros((batch,), bool),
+        round=jnp.int32(0),
+        row_rounds=zeros,
+        row_examined_per_position=jnp.zeros((batch, k), jnp.int32),
+        row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
+    )
+    body = functools.partial(
+        _round, tgd, dgd, tparams, dparams, rng, k=k, max_new=max_new, sampling=sampling,
+        eos_id=eos_id, bug=bug,
+    )  # fmt: skip
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s['done']), body, state)
+    return common.SampleOutput(
+        tokens=common.finish_tokens(state['out'], state['emitted'], max_new),
+        lengths=state['emitted'],
+        stats=_stats(state, k),
+    )
+
+
+def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, bug):
+    """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, cache).
+
+    k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
+    q_2..q_k; x_k is left for the next round's catch-up.
+    """
+    act = active.astype(jnp.int32)
+    pending, last, prev = state['draft_pending'], state['last'], state['prev']
+    two = pending == 2
+    catch_up = jnp.stack([jnp.where(two, prev, last), jnp.where(two, last, 0)], axis=1)
+    logits, dcache = apply_cached(dgd, dparams, catch_up, pending * act, state['dcache'])
+    logits = jnp.take_along_axis(logits, (pending - 1)[:, None, None], axis=1)[:, 0]
+
+    def draw(uniform_B, logits):
+        q = transform_logits(logits, sampling)
+        if bug == 'bf16_draft':
+            # reduce_precision: XLA may elide a bf16 round trip (excess precision).
+            bf16 = jax.lax.reduce_precision(logits, exponent_bits=8, mantissa_bits=7)
+            source = transform_logits(bf16, sampling)
+            return inverse_cdf(source, uniform_B), q
+        return inverse_cdf(q, uniform_B), q
+
+    def step(carry, uniform_B):
+        logits, cache = carry
+        x, q = draw(uniform_B, logits)
+        logits, cache = apply_cached(dgd, dparams, x[:, None], act, cache)
+        return (logits[:, 0], cache), (x, q)
+
+    uniform_KB = uniform_BK.T
+    (logits, dcache), (xs, qs) = jax.lax.scan(step, (logits, dcache), uniform_KB[: k - 1])
+    x_last, q_last = draw(uniform_KB[k - 1], logits)
+    x_BK = jnp.concatenate([xs.T, x_last[:, None]], axis=1)
+    q_BKV = jnp.concatenate([jnp.swapaxes(qs, 0, 1), q_last[:, None]], axis=1)
+    return x_BK, q_BKV, dcache
+
+
+def _round(tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, bug):
+    active = ~state['done']
+    act = active.astype(jnp.int32)
+    # One draw per round; its disjoint slices are independent streams for the draft samples,
+    # the acceptance tests and the residual/bonus draw.
+    noise = jax.random.uniform(jax.random.fold_in(rng, state['round']), (len(act), 2 * k + 1))
+    x_BK, q_BKV, dcache = _propose(
+        dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, bug=bug
+    )
+
+    tcache = state['tcache']
+    tokens = jnp.concatenate([state['last'][:, None], x_BK], axis=1)
+    logits, tcache = apply_cached(tgd, tparams, tokens, jnp.zeros_like(act), tcache)
+    p_BKV = transform_logits(logits, sampling)
+    if sampling.greedy:
+        num_acc, next_token = verify_greedy(p_BKV, x_BK)
+    else:
+        extra = {}
+        if bug == 'residual_untransformed':
+            extra['residual_p_BKV'] = jax.nn.softmax(logits / sampling.temperature, axis=-1)
+        if bug == 'bonus_from_q':  # q_{k+1} from a throwaway draft call on x_k
+            q_logits, _ = apply_cached(dgd, dparams, x_BK[:, -1:], act, dcache)
+            extra['bonus_BV'] = transform_logits(q_logits[:, 0], sampling)
+        num_acc, next_token = verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
+
+    # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
+    j = jnp.arange(k + 1)[None, :]
+    padded = jnp.pad(x_BK, ((0, 0), (0, 1)))
+    block = jnp.where(j == num_acc[:, None], next_token[:, None], 0)
+    block = jnp.where(j < num_acc[:, None], padded, block)
+    count = jnp.minimum(num_acc + 1, max_new - state['emitted'])
+    count = common.first_eos_count(block, count, eos_id)
+    hit_eos = jnp.zeros_like(active)
+    if eos_id is not None:
+        hit_eos = jnp.any((block == eos_id) & (j < count[:, None]), axis=1)
+    emitted = state['emitted'] + count * act
+    out = common.write_rows(state['out'], block, state['emitted'])
+
+    # Proposals count as examined/accepted only where they sit inside the row's output.
+    i = jnp.arange(k)[None, :]
+    counted = (i < count[:, None]) & active[:, None]
+    examined = (i < jnp.minimum(num_acc + 1, k)[:, None]) & counted
+    accepted = (i < num_acc[:, None]) & counted
+
+    # Roll back: the target keeps last + x_1..x_n; the draft keeps x_1..x_min(n, k-1).
+    keep = lambda new, old: jnp.where(active, new, old)
+    d_len = dcache.lengths - (k - 1) + jnp.minimum(num_acc, k - 1)
+    return dict(
+        tcache=tcache.replace(lengths=keep(tcache.lengths + 1 + num_acc, tcache.lengths)),
+        dcache=dcache.replace(lengths=keep(d_len, dcache.lengths)),
+        last=keep(next_token, state['last']),
+        prev=keep(x_BK[:, -1], state['prev']),
+        draft_pending=keep(1 + (num_acc == k).astype(jnp.int32), state['draft_pending']),
+        out=jnp.where(active[:, None], out, state['out']),
+        emitted=emitted,
+        done=state['done'] | (active & ((emitted >= max_new) | hit_eos)),
+        round=state['round'] + 1,
+        row_rounds=state['row_rounds'] + act,
+        row_examined_per_position=state['row_examined_per_position'] + examined,
+        row_accepted_per_position=state['row_accepted_per_position'] + accepted,
+    )
+
+
+def _stats(state, k):
+    """Per-row counts and their totals (sums over rows); see `SampleOutput` for the names."""
+    rounds = state['row_rounds']
+    rows = dict(
+        row_examined_per_position=state['row_examined_per_position'],
+        row_accepted_per_position=state['row_accepted_per_position'],
+        row_examined=state['row_examined_per_position'].sum(-1),
+        row_accepted=state['row_accepted_per_position'].sum(-1),
+        row_drafted=k * rounds,
+        row_emitted=state['emitted'],
+        row_rounds=rounds,
+        row_target_calls=rounds + 1,
+        row_draft_calls=k * rounds + 1,
+    )
+    totals = {name[4:]: value.sum(0) for name, value in rows.items()}
+    return {**totals, **rows, 'batch_rounds': state['round']}

@@ -1,0 +1,104 @@
+"""SamplingConfig and the logits -> distribution transform shared by every sampler.
+
+The transform defines *the* distribution a model samples from: speculative sampling uses it for
+both the target p and the draft q, so the ratio p/q, the residual and the bonus token all see
+exactly the distributions tokens are drawn from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 = greedy (top_k/top_p ignored); top_k 0 = all tokens; top_p 1 = all mass."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not t >= 0:
+            raise ValueError(f'SamplingConfig.temperature must be a number >= 0, got {t!r}')
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f'SamplingConfig.top_k must be an int >= 0, got {k!r}')
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
+            raise ValueError(f'SamplingConfig.top_p must be in (0, 1], got {p!r}')
+        # Normalise so equal settings hash equal (jit caches key on this object).
+        object.__setattr__(self, 'temperature', float(t))
+        object.__setattr__(self, 'top_k', int(k))
+        object.__setattr__(self, 'top_p', float(p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, d) -> SamplingConfig:
+        """From a dict or config.sampling ConfigDict; unknown keys are an error naming the key."""
+        d = dict(d)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f'Unknown SamplingConfig field(s) {unknown}; known: {sorted(names)}')
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _mask(logits, keep):
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def transform_logits(logits, sampling: SamplingConfig):
+    """Float32 probabilities [..., V] of the distribution `sampling` draws from `logits` [..., V].
+
+    Greedy: one-hot of the argmax (lowest index on ties). Otherwise logits / temperature, keep the
+    top_k largest, renormalise, keep the smallest set of most probable tokens whose mass reaches
+    top_p (the crossing token kept), renormalise. Ties at a top-k/top-p boundary are all kept.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    vocab = logits.shape[-1]
+    if sampling.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    logits = logits / jnp.float32(sampling.temperature)
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = _mask(logits, logits >= kth)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if sampling.top_p < 1.0:
+        # Only the top_k survivors can be kept, so sort just those when top_k is set.
+        sorted_probs = jax.lax.top_k(probs, top_k or vocab)[0]
+        cumsum = jnp.cumsum(sorted_probs, axis=-1)
+        mass_before = jnp.concatenate([jnp.zeros_like(cumsum[..., :1]), cumsum[..., :-1]], -1)
+        num_kept = jnp.sum(mass_before < sampling.top_p, axis=-1, keepdims=True)
+        threshold = jnp.take_along_axis(sorted_probs, num_kept - 1, axis=-1)
+        probs = jax.nn.softmax(_mask(logits, probs >= threshold), axis=-1)
+    return probs
+
+
+def inverse_cdf(probs, uniform):
+    """Token j with cdf_{j-1} <= u * total < cdf_j: int32 [...] distributed as probs [..., V].
+
+    uniform [...] ~ U[0, 1). One uniform per token (not V Gumbels); zero-probability tokens are
+    never drawn, even where rounding puts u * total at the very top.
+    """
+    cdf = jnp.cumsum(probs, axis=-1)
+    x = jnp.sum(cdf <= uniform[..., None] * cdf[..., -1:], axis=-1)
+    vocab = probs.shape[-1]
+    last_nonzero = vocab - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
+    return jnp.minimum(x, last_nonzero).astype(jnp.int32)
+
+
+def sample_from_probs(key, probs):
+    """One token per row of `probs` [..., V] (int32 [...]), distributed as `probs`."""
+    return inverse_cdf(probs, jax.random.uniform(key, probs.shape[:-1], jnp.float32))
