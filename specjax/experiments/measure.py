@@ -1,0 +1,107 @@
+"""Timing and memory for experiment modes: ahead-of-time compiled samplers, peak memory.
+
+`compile_sampler` lowers and compiles a sampler from `make_speculative_fn` /
+`make_autoregressive_fn` ahead of time (same core, mesh, rules and shardings as its own jit), so
+compile time is separate from run time and the executable's `memory_analysis()` is at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import psutil
+
+from specjax.parallel import batch_sharding, param_shardings, replicated
+from specjax.sampling import common
+
+
+@dataclasses.dataclass
+class CompiledSampler:
+    """An AOT-compiled sampler: call(*params, prompts, prompt_lengths, rng) -> SampleOutput."""
+
+    compiled: object
+    shardings: tuple
+    compile_s: float
+
+    def __call__(self, *args):
+        *params, prompts, prompt_lengths, rng = args
+        args = (*params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32))
+        args = jax.device_put((*args, common.as_key(rng)), self.shardings)
+        return self.compiled(*args)
+
+    def memory(self) -> dict:
+        return compiled_memory(self.compiled)
+
+
+def compile_sampler(sampler, params: list, prompts, prompt_lengths, rng) -> CompiledSampler:
+    """Lowers and compiles `sampler` (a ShardedSampler) for these argument shapes."""
+    _, width = common.check_prompts(prompts, prompt_lengths)
+    sampler.check(width)
+    mesh, rules = sampler.mesh, sampler.rules
+    shardings = tuple(
+        [param_shardings(mesh, p, rules) for p in params]
+        + [batch_sharding(mesh, rules)] * 2
+        + [replicated(mesh)]
+    )
+    args = (*params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32))
+    args = jax.device_put((*args, common.as_key(rng)), shardings)
+    t0 = time.perf_counter()
+    compiled = jax.jit(sampler.core, in_shardings=shardings).lower(*args).compile()
+    return CompiledSampler(compiled, shardings, time.perf_counter() - t0)
+
+
+def compiled_memory(compiled) -> dict:
+    """Bytes from XLA's memory_analysis(): arguments, outputs, temporaries, code, and their peak
+    estimate (arguments + outputs + temporaries - aliased); {} where the backend gives none."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (backends without the analysis raise various errors)
+        m = None
+    if m is None:
+        return {}
+    fields = (
+        'argument_size_in_bytes',
+        'output_size_in_bytes',
+        'temp_size_in_bytes',
+        'alias_size_in_bytes',
+        'generated_code_size_in_bytes',
+    )
+    out = {f: int(getattr(m, f, 0) or 0) for f in fields}
+    out['peak_estimate_bytes'] = (
+        out['argument_size_in_bytes']
+        + out['output_size_in_bytes']
+        + out['temp_size_in_bytes']
+        - out['alias_size_in_bytes']
+    )
+    return out
+
+
+def process_memory() -> dict:
+    """Process RSS now and its peak (psutil / getrusage), plus device memory_stats() if any."""
+    out = {
+        'rss_bytes': int(psutil.Process(os.getpid()).memory_info().rss),
+        'peak_rss_bytes': int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+    }
+    stats = jax.local_devices()[0].memory_stats()
+    if stats:  # None on CPU
+        out['device_peak_bytes_in_use'] = int(stats.get('peak_bytes_in_use', 0))
+        out['device_bytes_in_use'] = int(stats.get('bytes_in_use', 0))
+        out['device_bytes_limit'] = int(stats.get('bytes_limit', 0))
+    return out
+
+
+def environment() -> dict:
+    """Backend, devices, versions and XLA flags: what a timing depends on."""
+    return {
+        'backend': jax.default_backend(),
+        'devices': [str(d) for d in jax.devices()],
+        'device_kind': jax.devices()[0].device_kind,
+        'jax_version': jax.__version__,
+        'xla_flags': os.environ.get('XLA_FLAGS', ''),
+        'cpu_count': os.cpu_count(),
+    }

@@ -1,0 +1,87 @@
+"""Target/draft pairs for experiments: from checkpoints (tokenizer identities checked) or
+random init."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from specjax.models import Transformer, TransformerConfig
+
+
+def check_identities(
+    target_meta: dict,
+    draft_meta: dict,
+    tokenizer_identity: dict,
+    where: tuple[str, str] = ('target', 'draft'),
+) -> None:
+    """ValueError unless both checkpoints and config.data's tokenizer share one identity."""
+    t_id, d_id = target_meta.get('tokenizer'), draft_meta.get('tokenizer')
+    for name, ident in zip(where, (t_id, d_id)):
+        if not ident:
+            raise ValueError(f'{name} checkpoint metadata has no tokenizer identity')
+    if t_id != d_id:
+        field = next(k for k in sorted(set(t_id) | set(d_id)) if t_id.get(k) != d_id.get(k))
+        raise ValueError(
+            f'tokenizer identity differs between {where[0]} and {where[1]}: {field} is '
+            f'{t_id.get(field)!r} vs {d_id.get(field)!r} (a draft must share the target tokenizer)'
+        )
+    if dict(tokenizer_identity) != dict(t_id):
+        raise ValueError(
+            f'config.data builds tokenizer {dict(tokenizer_identity)!r} but the checkpoints were '
+            f"trained with {t_id!r}: set config.data to the checkpoints' data settings"
+        )
+
+
+def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
+    """(target, draft, info): from checkpoints, or random-init when config.random_init."""
+    if config.random_init:
+        t_cfg = TransformerConfig.from_dict(config.model)
+        d_cfg = TransformerConfig.from_dict(config.draft)
+        target = Transformer(t_cfg, rngs=nnx.Rngs(config.seed))
+        draft = Transformer(d_cfg, rngs=nnx.Rngs(config.seed + 1))
+        info = {'source': 'random_init'}
+    else:
+        from specjax.checkpoint import load_model
+
+        for field in ('target_workdir', 'draft_workdir'):
+            if not config.get(field):
+                raise ValueError(f'config.{field} is empty; set it or config.random_init=True')
+        from specjax.checkpoint import Checkpoints
+
+        metas = []
+        for wd in (config.target_workdir, config.draft_workdir):
+            ckpts = Checkpoints(wd, read_only=True)
+            try:
+                metas.append(ckpts.metadata())
+            finally:
+                ckpts.close()
+        check_identities(
+            *metas, tok.identity(), where=(config.target_workdir, config.draft_workdir)
+        )
+        rules = config.mesh.rules
+        target, t_meta = load_model(config.target_workdir, mesh=mesh, rules=rules)
+        draft, d_meta = load_model(
+            config.draft_workdir,
+            mesh=mesh,
+            rules=rules,
+            params_key=config.draft_params_key,
+            config_key=config.draft_config_key,
+        )
+        info = {
+            'source': 'checkpoints',
+            'target_workdir': config.target_workdir,
+            'draft_workdir': config.draft_workdir,
+            'target_step': t_meta.get('step'),
+            'draft_step': d_meta.get('step'),
+        }
+    for name, model in (('target', target), ('draft', draft)):
+        if model.config.vocab_size != tok.vocab_size:
+            raise ValueError(
+                f"{name} vocab_size={model.config.vocab_size} differs from the tokenizer's "
+                f'vocab_size={tok.vocab_size}'
+            )
+    info.update(
+        target=dict(target.config.to_dict(), num_params=target.config.num_params),
+        draft=dict(draft.config.to_dict(), num_params=draft.config.num_params),
+    )
+    return target, draft, info

@@ -1,0 +1,392 @@
+"""spec_eval mode: autoregressive vs speculative decoding of a target and draft, measured.
+
+For every sampling setting of config.eval.samplings: the target decodes the prompts alone
+(autoregressive), then with the draft for every k in config.eval.ks. Reported per point: the
+acceptance statistics of specjax.sampling.stats (overall and bucketed by domain, prompt length
+and generated length), wall time per generated token (compiled ahead of time, warm-up excluded),
+measured speedup = autoregressive time per token / speculative time per token, predicted speedup
+= tau / (k c + v(k)) with c and v(k) measured here (specjax.sampling.calibrate), their ratio, the
+optimal k, and peak memory. alpha is measured from logits on the target's own autoregressive
+samples of the same prompts (the distribution speculative decoding reproduces).
+
+Entry point: `run(config, workdir)` (mode 'spec_eval'); writes <workdir>/spec_eval.json and
+<workdir>/results.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from specjax.data import build_tokenizer
+from specjax.experiments import measure, report
+from specjax.experiments.pairs import load_models
+from specjax.experiments.prompts import Prompts, make_prompts
+from specjax.models import split
+from specjax.parallel import make_mesh
+from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
+from specjax.sampling import stats as st
+from specjax.sampling.calibrate import calibrate
+
+BUCKET_KEYS = {
+    'domain': ('domain',),
+    'prompt_len': ('prompt_len',),
+    'gen_len': ('gen_len',),
+    'all': ('domain', 'prompt_len', 'gen_len'),
+}
+
+
+def _check_eval(ev) -> tuple[list[SamplingConfig], tuple[int, ...]]:
+    for field in ('max_new_tokens', 'batch_size', 'prompts_per_domain'):
+        if int(ev[field]) < 1:
+            raise ValueError(f'config.eval.{field} must be >= 1, got {ev[field]!r}')
+    ks = tuple(int(k) for k in ev.ks)
+    if not ks or min(ks) < 1:
+        raise ValueError(f'config.eval.ks must be positive ints, got {ev.ks!r}')
+    samplings = []
+    for s in ev.samplings:
+        if len(s) != 3:
+            raise ValueError(
+                f'config.eval.samplings entries are (temperature, top_k, top_p), got {s!r}'
+            )
+        samplings.append(SamplingConfig(float(s[0]), int(s[1]), float(s[2])))
+    if not samplings:
+        raise ValueError('config.eval.samplings is empty')
+    return samplings, ks
+
+
+def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed: int):
+    """Compiles ahead of time and decodes every batch once (untimed: this is the warm-up).
+
+    Returns (run_all, outputs, record): run_all() decodes all batches again with the same keys
+    (same outputs), for timing.
+    """
+    batches = list(prompts.batches(batch_size))
+    rng = jax.random.key(seed)
+    _, tok0, len0 = batches[0]
+    compiled = measure.compile_sampler(sampler_fn, params, tok0, len0, rng)
+
+    def run_all():
+        return [
+            (rows, compiled(*params, tokens, lengths, jax.random.fold_in(rng, i)))
+            for i, (rows, tokens, lengths) in enumerate(batches)
+        ]
+
+    outputs = [(rows, jax.device_get(out)) for rows, out in jax.block_until_ready(run_all())]
+    generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs))
+    record = {
+        'rows': len(prompts),
+        'generated_tokens': generated,
+        'compile_s': compiled.compile_s,
+        'memory': {'compiled': compiled.memory(), 'process': measure.process_memory()},
+    }
+    return run_all, outputs, record
+
+
+def _time_points(run_alls: dict, records: dict, repeats: int) -> dict:
+    """Times every point's full pass round-robin `repeats` times; fills wall/per-token fields.
+
+    Returns name -> array [repeats] of seconds per generated token.
+    """
+    from specjax.sampling.calibrate import interleaved_times
+
+    times = interleaved_times(run_alls, repeats=repeats, warmup=0)
+    per_token = {}
+    for name, t in times.items():
+        rec = records[name]
+        t = np.asarray(t)
+        per_token[name] = t / max(rec['generated_tokens'], 1)
+        wall = float(np.median(t))
+        rec.update(
+            wall_s=wall,
+            wall_s_repeats=t.tolist(),
+            time_per_token_s=float(np.median(per_token[name])),
+            tokens_per_s=rec['generated_tokens'] / wall if wall > 0 else float('nan'),
+        )
+    return per_token
+
+
+def _alpha_columns(target, draft, prompts: Prompts, outputs, sampling, batch_size: int):
+    """Per-row alpha sums and counts [N] over the generated positions of `outputs`."""
+    alpha_sum = np.zeros(len(prompts))
+    alpha_count = np.zeros(len(prompts), np.int64)
+    for (rows, tokens, lengths), (_, out) in zip(prompts.batches(batch_size), outputs):
+        # Whole (padded) batches: one compile for every batch.
+        alpha, mask = st.alpha_of_sequences(
+            target, draft, tokens, lengths, out.tokens, out.lengths, sampling
+        )
+        n = len(rows)
+        alpha_sum[rows], alpha_count[rows] = alpha[:n].sum(1), mask[:n].sum(1)
+    return alpha_sum, alpha_count
+
+
+def _spec_table(prompts: Prompts, outputs, alpha_cols, ev) -> dict:
+    tables = []
+    for rows, out in outputs:
+        n = len(rows)
+        stats = {k: np.asarray(v)[:n] for k, v in out.stats.items() if k.startswith('row_')}
+        lengths = np.asarray(out.lengths)[:n]
+        tables.append(
+            st.row_table(
+                stats,
+                lengths=lengths,
+                emitted=lengths,
+                domain=prompts.domains[rows],
+                prompt_len=st.length_bucket(prompts.lengths[rows], ev.prompt_len_edges),
+                gen_len=st.length_bucket(lengths, ev.gen_len_edges),
+                alpha_sum=alpha_cols[0][rows],
+                alpha_count=alpha_cols[1][rows],
+            )
+        )
+    return st.concat_tables(tables)
+
+
+def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, mesh, rules):
+    """Autoregressive and speculative (every k) decoding for one sampling setting.
+
+    Compiles and decodes every point once, then times all points round-robin, so load drift on
+    a shared machine hits them alike; measured speedup is the median over repeats of the
+    per-repeat ratio. Returns (runs, buckets, optimal-k record).
+    """
+    target, draft, t_graphdef, d_graphdef, t_params, d_params = models
+    label = report.sampling_label(sampling)
+    batch, max_new = int(ev.batch_size), int(ev.max_new_tokens)
+    common = dict(max_new_tokens=max_new, sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+    run_alls, outputs, records = {}, {}, {}
+    ar_fn = make_autoregressive_fn(t_graphdef, **common)
+    run_alls['ar'], outputs['ar'], records['ar'] = _compile_and_run(
+        ar_fn, [t_params], prompts, batch, seed
+    )
+    for k in ks:
+        fn = make_speculative_fn(t_graphdef, d_graphdef, num_draft_tokens=k, **common)
+        run_alls[k], outputs[k], records[k] = _compile_and_run(
+            fn, [t_params, d_params], prompts, batch, seed
+        )
+    per_token = _time_points(run_alls, records, int(ev.timing_repeats))
+
+    alpha_cols = _alpha_columns(target, draft, prompts, outputs['ar'], sampling, batch)
+    alpha = st.safe_ratio(alpha_cols[0].sum(), alpha_cols[1].sum())
+    tags = dict(sampling=sampling.to_dict(), sampling_label=label)
+    runs = [dict(records['ar'], method='autoregressive', k=None, alpha=alpha, **tags)]
+    buckets = {name: [] for name in BUCKET_KEYS}
+    logging.info('%s autoregressive: %.3f ms/token', label, 1e3 * records['ar']['time_per_token_s'])
+    for k in ks:
+        table = _spec_table(prompts, outputs[k], alpha_cols, ev)
+        summary = st.summarize(st.reduce_rows(table))
+        cost = k * cal.c + cal.v[k]
+        measured = float(np.median(per_token['ar'] / per_token[k]))
+        predicted = summary['block_efficiency'] / cost
+        # A batch runs until its slowest row is done (padding rows included: they cost time).
+        tau_batch = st.safe_ratio(
+            sum(float(np.sum(o.lengths)) for _, o in outputs[k]),
+            batch * sum(int(o.stats['batch_rounds']) for _, o in outputs[k]),
+        )
+        runs.append(
+            dict(
+                records[k],
+                **summary,
+                **tags,
+                method='speculative',
+                k=k,
+                round_cost=cost,
+                measured_speedup=measured,
+                predicted_speedup=predicted,
+                predicted_speedup_from_alpha=summary['expected_block_efficiency'] / cost,
+                speedup_ratio=measured / predicted,
+                batch_block_efficiency=tau_batch,
+                predicted_speedup_batch=tau_batch / cost,
+                speedup_ratio_batch=measured / (tau_batch / cost),
+            )
+        )
+        for name, keys in BUCKET_KEYS.items():
+            for key, b in st.bucket_stats(table, keys).items():
+                buckets[name].append(dict(zip(keys, key), sampling_label=label, k=k, **b))
+        logging.info(
+            '%s k=%d: acceptance %.3f tau %.2f speedup %.2f (predicted %.2f)',
+            label,
+            k,
+            summary['acceptance_rate'],
+            summary['block_efficiency'],
+            measured,
+            predicted,
+        )
+    spec = runs[1:]
+    finite_alpha = alpha if np.isfinite(alpha) else 0.0
+    optimal = {
+        'alpha': alpha,
+        'predicted_optimal_k': st.optimal_k(finite_alpha, cal.c, cal.v),
+        'predicted_speedups': st.predicted_speedups(finite_alpha, cal.c, cal.v),
+        'best_measured_k': max(spec, key=lambda r: r['measured_speedup'])['k'],
+        'best_measured_speedup': max(r['measured_speedup'] for r in spec),
+    }
+    return runs, buckets, optimal
+
+
+def run(config, workdir: str) -> dict:
+    """The spec_eval mode: see the module docstring. Returns the spec_eval.json dict."""
+    started = time.perf_counter()
+    ev = config.eval
+    samplings, ks = _check_eval(ev)
+    tok = build_tokenizer(config.data)
+    mesh = make_mesh(config.mesh)
+    target, draft, model_info = load_models(config, tok, mesh)
+    prompts = make_prompts(
+        config.data,
+        tok,
+        per_domain=int(ev.prompts_per_domain),
+        min_len=int(ev.prompt_len_min),
+        max_len=int(ev.prompt_len_max),
+        seed=config.seed,
+    )
+    width, max_new = prompts.tokens.shape[1], int(ev.max_new_tokens)
+    eos_id = tok.eos_id if ev.stop_at_eos else None
+    t_graphdef, t_params = split(target)
+    d_graphdef, d_params = split(draft)
+
+    cal = calibrate(
+        target,
+        draft,
+        batch_size=int(ev.batch_size),
+        ks=ks,
+        context_len=width,
+        capacity=width + max_new + max(ks) + 1,
+        iters=int(ev.calibration_iters),
+        repeats=int(ev.calibration_repeats),
+    )
+    logging.info('calibration: c=%.3f v=%s', cal.c, {k: round(v, 2) for k, v in cal.v.items()})
+
+    runs, buckets, optimal = [], {name: [] for name in BUCKET_KEYS}, {}
+    models = (target, draft, t_graphdef, d_graphdef, t_params, d_params)
+    for s_idx, sampling in enumerate(samplings):
+        seed = config.seed * 1000 + s_idx
+        point_runs, point_buckets, optimal[report.sampling_label(sampling)] = _evaluate_sampling(
+            models,
+            prompts,
+            sampling,
+            ks,
+            cal,
+            ev,
+            seed=seed,
+            eos_id=eos_id,
+            mesh=mesh,
+            rules=config.mesh.rules,
+        )
+        runs += point_runs
+        for name, entries in point_buckets.items():
+            buckets[name] += entries
+
+    result = {
+        'config': config.to_dict(),
+        'models': model_info,
+        'tokenizer': tok.identity(),
+        'prompts': {
+            'count': len(prompts),
+            'width': width,
+            'max_new_tokens': max_new,
+            'batch_size': int(ev.batch_size),
+            'per_domain': {
+                d: int((prompts.domains == d).sum()) for d in sorted(set(prompts.domains))
+            },
+        },
+        'calibration': cal.to_dict(),
+        'runs': runs,
+        'buckets': buckets,
+        'optimal_k': optimal,
+        'environment': measure.environment(),
+        'memory': measure.process_memory(),
+        'wall_s': time.perf_counter() - started,
+    }
+    os.makedirs(workdir, exist_ok=True)
+    report.write_json(os.path.join(workdir, 'spec_eval.json'), result)
+    report.write_json(os.path.join(workdir, 'results.json'), headline(result))
+    print(table_markdown(result), flush=True)
+    return result
+
+
+def headline(result: dict) -> dict:
+    """results.json: numbers only, keys without dots (for sweep summaries)."""
+    out = {'c': result['calibration']['c'], 'v': result['calibration']['v']}
+    for r in result['runs']:
+        node = out.setdefault(report.key_safe(r['sampling_label']), {})
+        if r['method'] == 'autoregressive':
+            node['autoregressive'] = {
+                'time_per_token_s': r['time_per_token_s'],
+                'alpha': r['alpha'],
+            }
+            continue
+        node[f'k{r["k"]}'] = {
+            name: r[name]
+            for name in (
+                'acceptance_rate',
+                'accepted_fraction',
+                'block_efficiency',
+                'alpha',
+                'expected_block_efficiency',
+                'time_per_token_s',
+                'measured_speedup',
+                'predicted_speedup',
+                'speedup_ratio',
+            )
+        }
+    for label, o in result['optimal_k'].items():
+        out[report.key_safe(label)]['optimal_k'] = {
+            'predicted': o['predicted_optimal_k'],
+            'best_measured': o['best_measured_k'],
+        }
+    return out
+
+
+def table_markdown(result: dict) -> str:
+    """The printed summary: one row per (sampling, method, k)."""
+    headers = [
+        'sampling',
+        'k',
+        'acc. rate',
+        'alpha',
+        'tau',
+        'E[tau](alpha)',
+        'tau batch',
+        'ms/token',
+        'speedup',
+        'predicted',
+        'ratio',
+        'ratio (tau batch)',
+        'compile s',
+    ]
+    rows = []
+    for r in result['runs']:
+        spec = r['method'] == 'speculative'
+        rows.append(
+            [
+                r['sampling_label'],
+                r['k'] if spec else 'AR',
+                r.get('acceptance_rate'),
+                r.get('alpha'),
+                r.get('block_efficiency'),
+                r.get('expected_block_efficiency'),
+                r.get('batch_block_efficiency'),
+                1e3 * r['time_per_token_s'],
+                r.get('measured_speedup'),
+                r.get('predicted_speedup'),
+                r.get('speedup_ratio'),
+                r.get('speedup_ratio_batch'),
+                r['compile_s'],
+            ]
+        )
+    cal = result['calibration']
+    v = ', '.join(f'{k}: {x:.2f}' for k, x in cal['v'].items())
+    lines = [
+        report.markdown_table(headers, rows),
+        '',
+        f'c = {cal["c"]:.3f}; v(k) = {{{v}}} (batch {cal["batch_size"]})',
+    ]
+    for label, o in result['optimal_k'].items():
+        lines.append(
+            f'{label}: optimal k predicted {o["predicted_optimal_k"]} '
+            f'(alpha {report.fmt(o["alpha"])}), best measured {o["best_measured_k"]}'
+        )
+    return '\n'.join(lines)

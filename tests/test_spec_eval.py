@@ -1,0 +1,154 @@
+"""spec_eval mode: end to end on tiny random-init models over the toy dataset; bad inputs raise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import ml_collections
+import pytest
+from data_fixtures import prepare_toy, toy_data_config, toy_documents
+
+from specjax.data import ByteTokenizer
+from specjax.experiments import spec_eval
+from specjax.experiments.pairs import check_identities
+from specjax.experiments.prompts import make_prompts
+
+_CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'spec_eval.py')
+
+
+def _load_config(arg):
+    spec = importlib.util.spec_from_file_location('spec_eval_config', _CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+@pytest.fixture(scope='module')
+def toy_dir(tmp_path_factory):
+    return prepare_toy(str(tmp_path_factory.mktemp('toy_tfds')))
+
+
+def _tiny_config(toy_dir):
+    c = _load_config('random')
+    c.data = toy_data_config(toy_dir)
+    c.data.vocab_size = ByteTokenizer.vocab_size
+    for m, d in ((c.model, 32), (c.draft, 16)):
+        m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads = 259, d, 1, 2, 2
+        m.d_ff, m.max_len = 2 * d, 64
+    c.eval.update(
+        prompts_per_domain=2,
+        prompt_len_min=4,
+        prompt_len_max=12,
+        max_new_tokens=8,
+        batch_size=4,
+        ks=(2,),
+        samplings=((0.0, 0, 1.0), (1.0, 0, 1.0)),
+        prompt_len_edges=(8,),
+        gen_len_edges=(8,),
+        calibration_iters=2,
+        timing_repeats=1,
+        calibration_repeats=1,
+    )
+    return c
+
+
+def test_prompts_are_document_prefixes_with_domains(toy_dir):
+    c = _tiny_config(toy_dir)
+    tok = ByteTokenizer()
+    p = make_prompts(c.data, tok, per_domain=2, min_len=4, max_len=12, seed=0)
+    assert len(p) == 6 and sorted(set(p.domains)) == ['alpha', 'beta', 'gamma']
+    assert p.tokens.shape == (6, 12) and ((p.lengths >= 4) & (p.lengths <= 12)).all()
+    assert (p.tokens[:, 0] == tok.bos_id).all()
+    docs = toy_documents('validation')
+    for row in range(len(p)):
+        content, topic = docs[p.docs[row]]
+        n = p.lengths[row]
+        assert p.tokens[row, 1:n].tolist() == tok.encode(content)[: n - 1]
+        assert (p.tokens[row, n:] == 0).all() and p.domains[row] == topic
+    batches = list(p.batches(4))
+    assert [len(r) for r, _, _ in batches] == [4, 2] and batches[1][1].shape == (4, 12)
+
+
+def test_spec_eval_end_to_end_writes_json(toy_dir, tmp_path):
+    c = _tiny_config(toy_dir)
+    result = spec_eval.run(c, str(tmp_path))
+    with open(tmp_path / 'spec_eval.json') as f:
+        saved = json.load(f)
+    assert set(saved) >= {
+        'config',
+        'models',
+        'tokenizer',
+        'prompts',
+        'calibration',
+        'runs',
+        'buckets',
+        'optimal_k',
+        'environment',
+        'memory',
+    }
+    assert saved['calibration']['c'] > 0 and set(saved['calibration']['v']) == {'2'}
+    runs = saved['runs']
+    assert len(runs) == 2 * (1 + 1)
+    spec = [r for r in runs if r['method'] == 'speculative']
+    for r in spec:
+        for key in (
+            'acceptance_rate',
+            'accepted_fraction',
+            'block_efficiency',
+            'alpha',
+            'expected_block_efficiency',
+            'acceptance_per_position_conditional',
+            'time_per_token_s',
+            'measured_speedup',
+            'predicted_speedup',
+            'speedup_ratio',
+            'memory',
+        ):
+            assert key in r, key
+        assert r['rows'] == 6 and 6 <= r['generated_tokens'] <= 6 * 8  # eos may stop rows
+        assert 1.0 <= r['block_efficiency'] <= r['k'] + 1
+        assert r['examined'] <= r['drafted'] and r['accepted'] <= r['examined']
+        assert r['memory']['process']['peak_rss_bytes'] > 0
+    greedy = [r for r in runs if r['sampling_label'] == 'T=0']
+    assert all(r['alpha'] in (None,) or 0 <= r['alpha'] <= 1 for r in greedy)
+    domains = {(b['sampling_label'], b['k'], b['domain']) for b in saved['buckets']['domain']}
+    assert ('T=0', 2, 'beta') in domains
+    assert (
+        sum(
+            b['rows']
+            for b in saved['buckets']['all']
+            if b['k'] == 2 and b['sampling_label'] == 'T=0'
+        )
+        == 6
+    )
+    with open(tmp_path / 'results.json') as f:
+        headline = json.load(f)
+    assert headline['T0']['k2']['measured_speedup'] > 0
+    assert result['optimal_k']['T=0']['predicted_optimal_k'] == 2
+
+
+def test_identity_and_vocab_mismatches_raise(toy_dir, tmp_path):
+    ident = ByteTokenizer().identity()
+    other = dict(ident, hash='0' * 16)
+    check_identities({'tokenizer': ident}, {'tokenizer': ident}, ident)
+    with pytest.raises(ValueError, match='tokenizer identity differs.*hash'):
+        check_identities({'tokenizer': ident}, {'tokenizer': other}, ident)
+    with pytest.raises(ValueError, match='config.data builds tokenizer'):
+        check_identities({'tokenizer': other}, {'tokenizer': other}, ident)
+    with pytest.raises(ValueError, match='no tokenizer identity'):
+        check_identities({'tokenizer': ident}, {}, ident)
+
+    c = _tiny_config(toy_dir)
+    c.draft = ml_collections.ConfigDict(dict(c.draft.to_dict(), vocab_size=300))  # unlinked
+    with pytest.raises(ValueError, match='draft vocab_size=300'):
+        spec_eval.run(c, str(tmp_path))
+    c = _tiny_config(toy_dir)
+    c.random_init = False
+    with pytest.raises(ValueError, match='config.target_workdir is empty'):
+        spec_eval.run(c, str(tmp_path))
+    c = _tiny_config(toy_dir)
+    c.eval.ks = (0, 2)
+    with pytest.raises(ValueError, match='config.eval.ks'):
+        spec_eval.run(c, str(tmp_path))
