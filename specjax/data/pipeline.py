@@ -10,6 +10,7 @@ tokens, segment_ids (1.. per chunk, 0 = pad), positions (0.. per chunk), domain_
 from __future__ import annotations
 
 import io
+import itertools
 
 import grain
 import numpy as np
@@ -217,6 +218,18 @@ def _pad_rows(batch: dict, rows: int, pad_id: int) -> dict:
     return out
 
 
+def _interleave_domains(src) -> list[int]:
+    """Document indices alternating between domains (code, prose, code, ...), each in order.
+
+    A capped evaluation (max_batches) then still sees every domain, not just the first one.
+    """
+    by_domain: dict[int, list[int]] = {}
+    for i in range(len(src)):
+        by_domain.setdefault(int(src[i]['domain']), []).append(i)
+    groups = [by_domain[d] for d in sorted(by_domain)]
+    return [i for row in itertools.zip_longest(*groups) for i in row if i is not None]
+
+
 def make_eval_batches(
     data_config,
     tok: Tokenizer,
@@ -236,9 +249,9 @@ def make_eval_batches(
     local = _local_batch(global_batch_size, process_count)
     if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
         raise ValueError(f'max_batches must be None or a positive int, got {max_batches!r}')
-    docs = grain.MapDataset.source(
-        document_source(data_config, tok, split or data_config.eval_split)
-    )
+    src = document_source(data_config, tok, split or data_config.eval_split)
+    order = _interleave_domains(src)
+    docs = grain.MapDataset.range(len(order)).map(lambda j: src[order[j]])
     ds = _pack(
         docs.to_iter_dataset(_read_options(data_config)),
         data_config,
