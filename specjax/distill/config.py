@@ -1,0 +1,196 @@
+"""config.distill defaults, model size presets and validation for the distill and cotrain modes.
+
+Everything a sweep may vary is a typed config field (never None), so `--config.distill.X=...`
+and sweep overrides work. Validation runs before anything is built and raises ValueError naming
+`config.<section>.<field>` and the value.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from specjax.distill.divergences import DIVERGENCES, ON_POLICY_ONLY
+from specjax.models import TransformerConfig
+from specjax.sampling import SamplingConfig
+from specjax.train.config import check_keys, validate_train_config
+
+SOURCES = ('dataset', 'teacher', 'on_policy', 'mixture')
+MIXTURE_BASES = ('dataset', 'teacher')
+LOGICAL_AXES = ('batch', 'length', 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm')
+
+# Draft sizes (vocab_size and max_len come from the config). 'test' is for unit tests; targets
+# use configs/target.py's presets (tiny: d_model 64 x 2 layers, small: 192 x 6).
+MODEL_PRESETS = {
+    'test': dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64),
+    'tiny': dict(d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=256),
+    'small': dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512),
+    'medium': dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024),
+}
+
+
+def model_config(size: str, vocab_size: int, max_len: int) -> ml_collections.ConfigDict:
+    """config.model / config.draft for a preset `size` (TransformerConfig fields)."""
+    if size not in MODEL_PRESETS:
+        raise ValueError(f'model size preset {size!r} unknown; known: {sorted(MODEL_PRESETS)}')
+    c = ml_collections.ConfigDict()
+    c.vocab_size = vocab_size  # must equal the tokenizer's (and the teacher's) vocabulary
+    c.max_len = max_len  # longest sequence / KV cache capacity
+    for key, value in MODEL_PRESETS[size].items():
+        c[key] = value
+    c.rope_theta = 10000.0  # RoPE base
+    c.tie_embeddings = True  # output head shares the embedding matrix
+    c.norm_eps = 1e-6  # RMSNorm epsilon
+    c.dtype = 'float32'  # activation dtype
+    c.param_dtype = 'float32'  # parameter dtype
+    return c
+
+
+def default_distill_config() -> ml_collections.ConfigDict:
+    """config.distill: the loss, the data source and the evaluation of a draft."""
+    c = ml_collections.ConfigDict()
+    c.teacher_workdir = ''  # workdir of the frozen target (distill mode); '' = not set
+    c.teacher_step = -1  # teacher checkpoint step (-1 = latest)
+    c.divergence = 'fkl'  # fkl | rkl | jsd | tvd | neg_log_alpha | expected_accepted_length
+    c.beta = 0.5  # JSD(β) mixture weight in [0, 1] (0 = FKL, 1 = RKL, as in TRL)
+    c.block_size = 4  # k of the expected-accepted-length loss (draft blocks of k tokens)
+    c.loss_temperature = 1.0  # temperature applied to both p and q logits inside the loss
+    c.scale_by_t2 = False  # multiply the divergence by loss_temperature ** 2 (Hinton et al.)
+    c.kd_weight = 1.0  # weight of the divergence (0 with ce_weight 1 = cross-entropy baseline)
+    c.ce_weight = 0.0  # weight of an added next-token cross-entropy on data tokens
+    c.source = 'dataset'  # dataset | teacher | on_policy | mixture (on-policy w.p. mixture_lambda)
+    c.mixture_lambda = 0.5  # probability that a mixture batch is on-policy (draft-generated)
+    c.mixture_base = 'dataset'  # what a mixture batch is otherwise: dataset | teacher
+    c.prompt_len = 32  # prompt tokens taken from each data row for generated continuations
+    c.max_new_tokens = 64  # generated tokens per prompt (training and evaluation)
+    c.eval_temperatures = (0.0, 1.0)  # α is reported at each (0 = argmax agreement)
+    c.eval_ks = (1, 2, 4, 8)  # predicted τ reported for each k
+    c.eval_generate_batches = 1  # eval batches whose prompts the draft continues for α
+    c.final_spec_k = 4  # k of the measured speculative run at the end (0 = skip it)
+    c.final_spec_batches = 1  # eval batches of prompts for the measured speculative run
+    c.calibrate = True  # time c and v(k) at the end for predicted_speedup (False: null)
+    return c
+
+
+def parse_arg(arg: str | None, defaults: dict) -> dict:
+    """'size=tiny,draft=test' -> dict of preset options (keys must be in defaults)."""
+    out = dict(defaults)
+    if not arg:
+        return out
+    for item in arg.split(','):
+        key, sep, value = item.partition('=')
+        if not sep or key not in defaults:
+            raise ValueError(
+                f'config argument {item!r}: expected key=value with key in {sorted(defaults)}'
+            )
+        out[key] = value
+    return out
+
+
+def _check_unit(value, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f'{field} must be in [0, 1], got {value!r}')
+
+
+def _check_int(value, field: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f'{field} must be an int >= {minimum}, got {value!r}')
+
+
+def validate_distill_section(d, mode: str) -> None:
+    """Checks config.distill (names, ranges, source/loss compatibility) for `mode`."""
+    check_keys(d, default_distill_config().keys(), 'config.distill')
+    if d.divergence not in DIVERGENCES:
+        raise ValueError(
+            f'config.distill.divergence={d.divergence!r} is not a known divergence; '
+            f'known: {sorted(DIVERGENCES)}'
+        )
+    if d.source not in SOURCES:
+        raise ValueError(
+            f'config.distill.source={d.source!r} is not a known data source; known: {list(SOURCES)}'
+        )
+    if d.mixture_base not in MIXTURE_BASES:
+        raise ValueError(
+            f'config.distill.mixture_base={d.mixture_base!r} must be one of {list(MIXTURE_BASES)}'
+        )
+    _check_unit(d.beta, 'config.distill.beta')
+    _check_unit(d.mixture_lambda, 'config.distill.mixture_lambda')
+    if d.divergence in ON_POLICY_ONLY and d.source not in ('on_policy', 'mixture'):
+        raise ValueError(
+            f'config.distill.divergence={d.divergence!r} needs draft-sampled blocks: use '
+            f"config.distill.source='on_policy' or 'mixture', not {d.source!r}"
+        )
+    if mode == 'cotrain' and d.source != 'dataset':
+        raise ValueError(
+            f"config.distill.source={d.source!r}: cotrain distills on the target's own batch, "
+            "so only 'dataset' is supported"
+        )
+    if not d.loss_temperature > 0:
+        raise ValueError(f'config.distill.loss_temperature must be > 0, got {d.loss_temperature!r}')
+    for name in ('kd_weight', 'ce_weight'):
+        if not d[name] >= 0:
+            raise ValueError(f'config.distill.{name} must be >= 0, got {d[name]!r}')
+    if d.kd_weight == 0 and d.ce_weight == 0:
+        raise ValueError('config.distill.kd_weight and ce_weight are both 0: nothing to train on')
+    for name, minimum in (
+        ('block_size', 1),
+        ('prompt_len', 1),
+        ('max_new_tokens', 1),
+        ('eval_generate_batches', 0),
+        ('final_spec_k', 0),
+        ('final_spec_batches', 1),
+    ):
+        _check_int(d[name], f'config.distill.{name}', minimum)
+    temps = tuple(d.eval_temperatures)
+    if not temps or any(not t >= 0 for t in temps):
+        raise ValueError(f'config.distill.eval_temperatures must be >= 0, got {temps!r}')
+    ks = tuple(d.eval_ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f'config.distill.eval_ks must be ints >= 1, got {ks!r}')
+    if mode == 'distill':
+        if not d.teacher_workdir:
+            raise ValueError(
+                "config.distill.teacher_workdir is not set (got ''): distill needs "
+                'the workdir of a trained target'
+            )
+        if not os.path.isdir(os.path.join(os.path.expanduser(d.teacher_workdir), 'checkpoints')):
+            raise ValueError(
+                f'config.distill.teacher_workdir={d.teacher_workdir!r} has no checkpoints/ '
+                'folder: train the target first (mode pretrain) or fix the path'
+            )
+
+
+def needed_len(d, data_seq_len: int) -> int:
+    """Longest position a model sees: training rows, generated rows, the final speculative run."""
+    generated = d.prompt_len + d.max_new_tokens
+    spec = generated + (d.final_spec_k + 1 if d.final_spec_k else 0)
+    return max(data_seq_len, generated, spec)
+
+
+def validate_common(config, mode: str, sections) -> TransformerConfig:
+    """Checks the sections shared by distill and cotrain; returns the draft TransformerConfig."""
+    check_keys(config, sections, 'config')
+    missing = sorted(set(sections) - set(config.keys()))
+    if missing:
+        raise ValueError(f'Missing config section(s) {[f"config.{k}" for k in missing]}')
+    if config.mode != mode:
+        raise ValueError(f'config.mode={config.mode!r} but this is the {mode!r} mode')
+    validate_train_config(config.train)
+    validate_distill_section(config.distill, mode)
+    SamplingConfig.from_dict(config.sampling)  # ValueError naming the SamplingConfig field
+    check_keys(config.mesh, ('axes', 'shape', 'rules'), 'config.mesh')
+    ruled = {name for name, _ in config.mesh.rules}
+    missing_axes = [a for a in LOGICAL_AXES if a not in ruled]
+    if missing_axes:
+        raise ValueError(f'config.mesh.rules has no rule for logical axes {missing_axes}')
+    seq_len = config.data.seq_len
+    _check_int(seq_len, 'config.data.seq_len', 2)
+    draft = TransformerConfig.from_dict(config.draft)
+    need = needed_len(config.distill, seq_len)
+    if need > draft.max_len:
+        raise ValueError(
+            f'config.draft.max_len={draft.max_len} is below {need} (config.data.seq_len, '
+            'distill.prompt_len + max_new_tokens (+ final_spec_k + 1))'
+        )
+    return draft

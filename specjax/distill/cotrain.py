@@ -1,0 +1,179 @@
+"""The `cotrain` mode: a target and a draft trained together from scratch, as a loop Task.
+
+Each step the target takes its cross-entropy step and the draft distills from the target's logits
+of that same forward (before the target's update): one jitted call, one target forward. Both are
+checkpointed (`params` / `model_config` and `draft_params` / `draft_config`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.checkpoint import abstract_with_shardings
+from specjax.distill.config import validate_common
+from specjax.distill.evaluation import Evaluator
+from specjax.distill.modes import (
+    COTRAIN_SECTIONS,
+    DistillData,
+    check_vocab,
+    collect_results,
+    finish_results,
+    load_data,
+    loss_identity,
+    sampling_config,
+)
+from specjax.distill.steps import CotrainState, LossSettings, jit_cotrain_step
+from specjax.models import Transformer, TransformerConfig
+from specjax.parallel import batch_sharding, make_mesh
+from specjax.train.loop import Task, run_loop
+from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+from specjax.train.state import abstract_model, state_shardings
+
+
+def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules):
+    """(target graphdef, draft graphdef, shardings, abstract, init) of a CotrainState."""
+    tgd, t_abs = abstract_model(target_cfg)
+    dgd, d_abs = abstract_model(draft_cfg)
+    ts = state_shardings(tx, t_abs, mesh, rules)
+    ds = state_shardings(tx, d_abs, mesh, rules)
+    shardings = CotrainState(
+        step=ts.step,
+        params=ts.params,
+        opt_state=ts.opt_state,
+        draft_params=ds.params,
+        draft_opt_state=ds.opt_state,
+        rng=ts.rng,
+    )
+
+    def init_fn(seed):
+        k_target, k_draft, k_state = jax.random.split(jax.random.PRNGKey(seed), 3)
+        _, tp = nnx.split(Transformer(target_cfg, rngs=nnx.Rngs(params=k_target)))
+        _, dp = nnx.split(Transformer(draft_cfg, rngs=nnx.Rngs(params=k_draft)))
+        return CotrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=tp,
+            opt_state=tx.init(tp),
+            draft_params=dp,
+            draft_opt_state=tx.init(dp),
+            rng=k_state,
+        )
+
+    abstract = abstract_with_shardings(jax.eval_shape(init_fn, jnp.int32(seed)), shardings)
+
+    def init():
+        return jax.jit(init_fn, out_shardings=shardings)(jnp.int32(seed))
+
+    return tgd, dgd, shardings, abstract, init
+
+
+def build_cotrain(config, data: DistillData):
+    """Validates, plans target + draft state, jits the co-training step -> (Task, parts)."""
+    draft_cfg = validate_common(config, 'cotrain', COTRAIN_SECTIONS)
+    target_cfg = TransformerConfig.from_dict(config.model)
+    check_vocab(draft_cfg, data, 'config.draft')
+    check_vocab(target_cfg, data, 'config.model')
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f'config.draft.vocab_size={draft_cfg.vocab_size} differs from '
+            f'config.model.vocab_size={target_cfg.vocab_size}: draft and target '
+            'must share a vocabulary'
+        )
+    if target_cfg.max_len < draft_cfg.max_len:
+        raise ValueError(
+            f'config.model.max_len={target_cfg.max_len} is below '
+            f'config.draft.max_len={draft_cfg.max_len}'
+        )
+    sampling = sampling_config(config)
+    mesh = make_mesh(config.mesh)
+    rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in config.mesh.rules)
+    tx = make_optimizer(config.train)
+    tgd, dgd, shardings, abstract, init = plan_cotrain_state(
+        target_cfg, draft_cfg, tx, config.seed, mesh, rules
+    )
+    b_sharding = batch_sharding(mesh, rules)
+    step_fn = jit_cotrain_step(
+        tgd,
+        dgd,
+        tx,
+        learning_rate_schedule(config.train),
+        LossSettings.from_config(config.distill),
+        shardings,
+        b_sharding,
+        mesh,
+    )
+    evaluator = Evaluator(
+        dgd,
+        tgd,
+        eval_batches=data.eval_batches,
+        domains=data.domains,
+        distill_cfg=config.distill,
+        sampling=sampling,
+        eos_id=data.eos_id,
+        mesh=mesh,
+        rules=rules,
+        batch_sharding=b_sharding,
+        seed=config.seed,
+    )
+    keys = ('tokens', 'positions', 'segment_ids')
+
+    def put(batch):
+        return {
+            k: jax.make_array_from_process_local_data(b_sharding, np.asarray(batch[k]))
+            for k in keys
+        }
+
+    task = Task(
+        mode='cotrain',
+        init_state=init,
+        abstract_state=abstract,
+        step=step_fn,
+        batches=data.train,
+        put_batch=put,
+        evaluate=lambda state: evaluator(state.draft_params, state.params),
+        identity={
+            'model_config': target_cfg.to_dict(),
+            'draft_config': draft_cfg.to_dict(),
+            'tokenizer': data.tokenizer,
+            'corpus': data.corpus,
+            'distill': loss_identity(config),
+        },
+        metadata={
+            'config': config,
+            'num_params': target_cfg.num_params,
+            'draft_num_params': draft_cfg.num_params,
+        },
+        tokens_per_step=config.train.batch_size * config.data.seq_len,
+        finite_part=lambda state: (state.params, state.draft_params),
+    )
+    return task, dict(
+        evaluator=evaluator,
+        draft_cfg=draft_cfg,
+        target_cfg=target_cfg,
+        step_fn=step_fn,
+        mesh=mesh,
+        rules=rules,
+        graphdefs=(tgd, dgd),
+    )
+
+
+def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
+    """Co-trains config.model (target) and config.draft from scratch in `workdir`."""
+    validate_common(config, 'cotrain', COTRAIN_SECTIONS)
+    data = load_data(config) if data is None else data
+    task, parts = build_cotrain(config, data)
+    result = run_loop(task, workdir, config.train, on_step=on_step)
+    results = collect_results(
+        config,
+        result,
+        parts['evaluator'],
+        result.state.draft_params,
+        result.state.params,
+        {
+            'num_params_draft': parts['draft_cfg'].num_params,
+            'num_params_target': parts['target_cfg'].num_params,
+        },
+    )
+    return finish_results(workdir, results)

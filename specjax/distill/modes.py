@@ -1,0 +1,300 @@
+"""The `distill` mode as a Task for the shared training loop, plus what `cotrain` shares with it
+(data, config checks, results).
+
+distill: a draft learns from a frozen target checkpoint (config.distill.teacher_workdir). Both
+modes write <workdir>/results.json with the keys of specjax.distill.evaluation (alpha_T1,
+acceptance_k4_T1, tau_k4_T1, predicted_speedup_k4_T1, draft_val_loss, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from specjax.distill import sources
+from specjax.distill.config import validate_common
+from specjax.distill.evaluation import Evaluator
+from specjax.distill.steps import (
+    STEP_KEYS,
+    LossSettings,
+    jit_distill_step,
+    step_batch,
+)
+from specjax.distill.teacher import Teacher, check_compatible, load_teacher
+from specjax.models import TransformerConfig
+from specjax.parallel import batch_sharding, make_mesh, param_shardings
+from specjax.sampling import SamplingConfig
+from specjax.train.loop import LoopResult, Task, run_loop
+from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+from specjax.train.pretrain import write_results
+from specjax.train.state import plan_train_state
+
+DISTILL_SECTIONS = ('mode', 'seed', 'draft', 'data', 'train', 'sampling', 'mesh', 'distill')
+COTRAIN_SECTIONS = DISTILL_SECTIONS + ('model',)
+_IDENTITY_FIELDS = (
+    'divergence',
+    'beta',
+    'block_size',
+    'loss_temperature',
+    'scale_by_t2',
+    'kd_weight',
+    'ce_weight',
+    'source',
+    'mixture_lambda',
+    'mixture_base',
+    'prompt_len',
+    'max_new_tokens',
+)
+
+
+@dataclasses.dataclass
+class DistillData:
+    """What distill/cotrain read from the data layer (tests pass synthetic ones)."""
+
+    train: Any  # iterator of host batch dicts (np.int32 [B, T]) with get_state/set_state
+    eval_batches: list[dict]  # fixed held-out batches, same layout
+    tokenizer: dict  # tokenizer identity (must equal the teacher's)
+    corpus: dict  # corpus identity
+    vocab_size: int  # tokenizer vocabulary size
+    domains: tuple[str, ...]  # names of domain ids 0..D-1
+    eos_id: int | None  # generation stops after eos (kept as the last generated token)
+
+
+def load_data(config) -> DistillData:
+    """The real pipeline (specjax.data) for config.data."""
+    from specjax import data as data_lib
+    from specjax.data.sources import open_dataset
+
+    tok = data_lib.build_tokenizer(config.data)
+    train = data_lib.make_train_iterator(
+        config.data, tok, global_batch_size=config.train.batch_size, seed=config.seed
+    )
+    eval_batches = list(
+        data_lib.make_eval_batches(
+            config.data,
+            tok,
+            global_batch_size=config.train.batch_size,
+            max_batches=config.train.eval_batches,
+        )
+    )
+    return DistillData(
+        train=train,
+        eval_batches=eval_batches,
+        tokenizer=tok.identity(),
+        corpus=data_lib.corpus_identity(config.data),
+        vocab_size=tok.vocab_size,
+        domains=tuple(open_dataset(config.data).domain_names),
+        eos_id=tok.eos_id,
+    )
+
+
+def sampling_config(config) -> SamplingConfig:
+    return SamplingConfig.from_dict(config.sampling)
+
+
+def loss_identity(config) -> dict:
+    return {k: config.distill[k] for k in _IDENTITY_FIELDS}
+
+
+def check_vocab(cfg: TransformerConfig, data: DistillData, field: str) -> None:
+    if cfg.vocab_size < data.vocab_size:
+        raise ValueError(
+            f'{field}.vocab_size={cfg.vocab_size} is below the tokenizer vocabulary '
+            f'size {data.vocab_size}'
+        )
+
+
+class DistillStepper:
+    """Task.step for distill: picks the step's source, generates if needed, runs the jitted step.
+
+    Host batches come straight from the data iterator (Task.put_batch is the identity); the
+    step index is read from the state once and then counted here, so the source choice and the
+    generation key depend only on (seed, step).
+    """
+
+    def __init__(self, step_fn, teacher: Teacher, generators, b_sharding, distill_cfg, seed):
+        self.step_fn, self.teacher, self.generators = step_fn, teacher, generators
+        self.b_sharding, self.d, self.seed = b_sharding, distill_cfg, seed
+        self._step = None
+
+    def make_batch(self, state, host_batch, kind):
+        if kind == 'dataset':
+            batch = sources.dataset_batch(host_batch)
+            return {
+                k: jax.make_array_from_process_local_data(self.b_sharding, batch[k])
+                for k in STEP_KEYS
+            }
+        params = self.teacher.params if kind == 'teacher' else state.params
+        key = sources.generation_key(self.seed, self._step)
+        return step_batch(self.generators[kind](params, host_batch, key))
+
+    def kind(self, step: int) -> str:
+        return sources.source_for_step(
+            self.d.source,
+            step,
+            seed=self.seed,
+            mixture_lambda=float(self.d.mixture_lambda),
+            mixture_base=self.d.mixture_base,
+        )
+
+    def __call__(self, state, host_batch):
+        if self._step is None:
+            self._step = int(jax.device_get(state.step))
+        kind = self.kind(self._step)
+        batch = self.make_batch(state, host_batch, kind)
+        self._step += 1
+        state, metrics = self.step_fn(state, self.teacher.params, batch)
+        metrics = dict(metrics, on_policy=float(kind == 'on_policy'))
+        return state, metrics
+
+
+def build_distill(config, data: DistillData):
+    """Validates, loads the teacher, plans the draft state, jits the step -> (Task, parts)."""
+    draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
+    check_vocab(draft_cfg, data, 'config.draft')
+    sampling = sampling_config(config)
+    mesh = make_mesh(config.mesh)
+    rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in config.mesh.rules)
+    d = config.distill
+    teacher = load_teacher(d.teacher_workdir, int(d.teacher_step), mesh=mesh, rules=rules)
+    check_compatible(teacher, draft_cfg, data.tokenizer)
+    need = max(config.data.seq_len, d.prompt_len + d.max_new_tokens + d.final_spec_k + 1)
+    if teacher.config.max_len < need:
+        raise ValueError(
+            f"the teacher's max_len={teacher.config.max_len} is below {need} "
+            '(config.data.seq_len / distill.prompt_len + max_new_tokens + k + 1)'
+        )
+    tx = make_optimizer(config.train)
+    plan = plan_train_state(draft_cfg, tx, config.seed, mesh, rules)
+    b_sharding = batch_sharding(mesh, rules)
+    t_shardings = param_shardings(mesh, teacher.params, rules)
+    step_fn = jit_distill_step(
+        plan.graphdef,
+        teacher.graphdef,
+        tx,
+        learning_rate_schedule(config.train),
+        LossSettings.from_config(d),
+        plan.shardings,
+        t_shardings,
+        b_sharding,
+        mesh,
+    )
+    generators = {}
+    for kind, gd in (('teacher', teacher.graphdef), ('on_policy', plan.graphdef)):
+        generators[kind] = sources.Generator(
+            gd, d.prompt_len, d.max_new_tokens, sampling, data.eos_id, mesh, rules, b_sharding
+        )
+    evaluator = Evaluator(
+        plan.graphdef,
+        teacher.graphdef,
+        eval_batches=data.eval_batches,
+        domains=data.domains,
+        distill_cfg=d,
+        sampling=sampling,
+        eos_id=data.eos_id,
+        mesh=mesh,
+        rules=rules,
+        batch_sharding=b_sharding,
+        seed=config.seed,
+    )
+    stepper = DistillStepper(step_fn, teacher, generators, b_sharding, d, config.seed)
+    task = Task(
+        mode='distill',
+        init_state=plan.init,
+        abstract_state=plan.abstract,
+        step=stepper,
+        batches=data.train,
+        put_batch=lambda batch: batch,
+        evaluate=(lambda state: evaluator(state.params, teacher.params)),
+        identity={
+            'model_config': draft_cfg.to_dict(),
+            'tokenizer': data.tokenizer,
+            'corpus': data.corpus,
+            'teacher': teacher.identity(),
+            'distill': loss_identity(config),
+        },
+        metadata={'config': config, 'num_params': draft_cfg.num_params},
+        tokens_per_step=config.train.batch_size * config.data.seq_len,
+    )
+    return task, dict(
+        teacher=teacher,
+        evaluator=evaluator,
+        draft_cfg=draft_cfg,
+        plan=plan,
+        stepper=stepper,
+        step_fn=step_fn,
+        mesh=mesh,
+        rules=rules,
+    )
+
+
+def collect_results(
+    config, result: LoopResult, evaluator: Evaluator, draft_params, target_params, extra: dict
+) -> dict:
+    """results.json: the last eval (renamed *_loss -> *_val_loss) + the measured speculative run."""
+    out = {
+        'mode': config.mode,
+        'step': result.step,
+        'preempted': result.preempted,
+        'checkpoint_dir': result.checkpoint_dir,
+        'checkpoint_step': result.checkpoint_step,
+    }
+    out.update(extra)
+    for key, value in result.eval.items():
+        key = key.replace('draft_loss', 'draft_val_loss').replace('target_loss', 'target_val_loss')
+        out[key] = value
+    if not result.preempted:
+        out.update(evaluator.speculative(draft_params, target_params))
+    return out
+
+
+def finish_results(workdir, results) -> dict:
+    if results['preempted']:
+        return results
+    path = write_results(workdir, results)
+    if jax.process_index() == 0:
+        keys = [
+            k
+            for k in (
+                'draft_val_loss',
+                'alpha_T0',
+                'alpha_T1',
+                'acceptance_k4_T0',
+                'tau_k4_T0',
+                'acceptance_k4_T1',
+                'tau_k4_T1',
+                'predicted_speedup_k4_T1',
+            )
+            if k in results
+        ]
+        print('  '.join(f'{k} {results[k]:.4f}' for k in keys), flush=True)
+        print(f'results: {path}', flush=True)
+    return results
+
+
+def run_distill(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
+    """Distills a draft from the frozen target at config.distill.teacher_workdir into `workdir`.
+
+    Resumes from <workdir>/checkpoints; returns the results dict (also <workdir>/results.json).
+    """
+    validate_common(config, 'distill', DISTILL_SECTIONS)
+    data = load_data(config) if data is None else data
+    task, parts = build_distill(config, data)
+    result = run_loop(task, workdir, config.train, on_step=on_step)
+    teacher = parts['teacher']
+    results = collect_results(
+        config,
+        result,
+        parts['evaluator'],
+        result.state.params,
+        teacher.params,
+        {
+            'teacher_workdir': teacher.workdir,
+            'teacher_step': teacher.step,
+            'num_params_draft': parts['draft_cfg'].num_params,
+            'num_params_target': teacher.config.num_params,
+        },
+    )
+    return finish_results(workdir, results)

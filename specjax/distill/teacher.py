@@ -1,0 +1,114 @@
+"""The frozen teacher: loaded once from its own workdir, checked against this run, fingerprinted.
+
+The teacher is never trained, has no optimizer state and is not re-saved with the draft: the draft
+checkpoint's metadata records where it came from (`teacher_identity`), and a resumed run must
+find the very same teacher (same path, step, config and parameter fingerprint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import jax
+import numpy as np
+
+from specjax.checkpoint import Checkpoints, load_model
+from specjax.models import TransformerConfig, split
+
+
+@dataclasses.dataclass
+class Teacher:
+    graphdef: object
+    params: object  # nnx.State, sharded on the run's mesh; never donated or updated
+    config: TransformerConfig
+    metadata: dict  # the teacher checkpoint's meta (model_config, tokenizer, corpus, ...)
+    workdir: str
+    step: int
+
+    def identity(self) -> dict:
+        """Recorded in (and on resume compared with) the draft checkpoint's metadata."""
+        return {
+            'workdir': self.workdir,
+            'step': self.step,
+            'mode': self.metadata.get('mode'),
+            'model_config': self.config.to_dict(),
+            'tokenizer': self.metadata.get('tokenizer'),
+            'corpus': self.metadata.get('corpus'),
+            'params_sha256': params_fingerprint(self.params),
+        }
+
+
+def params_fingerprint(params) -> str:
+    """sha256 over each parameter's path, dtype, shape and bytes (host copy; small models)."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        arr = np.asarray(jax.device_get(leaf))
+        h.update(f'{jax.tree_util.keystr(path)}:{arr.dtype}:{arr.shape}\n'.encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def teacher_step(workdir: str, step: int) -> int:
+    """The checkpoint step to load (-1 = latest); ValueError naming the field if absent."""
+    ckpts = Checkpoints(workdir, read_only=True)
+    try:
+        steps = ckpts.all_steps()
+    finally:
+        ckpts.close()
+    if not steps:
+        raise ValueError(f'config.distill.teacher_workdir={workdir!r} has no checkpoints')
+    if step == -1:
+        return max(steps)
+    if step not in steps:
+        raise ValueError(
+            f'config.distill.teacher_step={step} is not a checkpoint of {workdir!r} '
+            f'(have {sorted(steps)})'
+        )
+    return step
+
+
+def load_teacher(workdir: str, step: int, *, mesh, rules) -> Teacher:
+    """Loads the teacher's params onto `mesh`; clear ValueErrors for missing / mismatched ones."""
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    step = teacher_step(workdir, step)
+    try:
+        model, meta = load_model(workdir, step, mesh=mesh, rules=rules)
+    except Exception as e:  # orbax: stored arrays do not fit the recorded model_config, ...
+        raise ValueError(
+            f'config.distill.teacher_workdir={workdir!r} step {step}: cannot load the teacher; '
+            f'its checkpoint does not match its recorded model_config or is unreadable '
+            f'({type(e).__name__}: {e})'
+        ) from e
+    for key in ('model_config', 'tokenizer'):
+        if key not in meta:
+            raise ValueError(f'teacher checkpoint {workdir!r} step {step} has no {key!r} metadata')
+    graphdef, params = split(model)
+    _check_shapes(params, meta, workdir, step)
+    return Teacher(graphdef, params, model.config, meta, workdir, step)
+
+
+def _check_shapes(params, meta, workdir, step) -> None:
+    cfg = TransformerConfig.from_dict(meta['model_config'])
+    emb = params['embed'][...]
+    if tuple(emb.shape) != (cfg.vocab_size, cfg.d_model):
+        raise ValueError(
+            f'teacher checkpoint {workdir!r} step {step}: embedding {tuple(emb.shape)} does not '
+            f'match its model_config ({cfg.vocab_size}, {cfg.d_model})'
+        )
+
+
+def check_compatible(teacher: Teacher, draft_cfg: TransformerConfig, tokenizer: dict) -> None:
+    """The draft must share the teacher's tokenizer and vocabulary (clear error otherwise)."""
+    if teacher.metadata['tokenizer'] != tokenizer:
+        raise ValueError(
+            f"tokenizer mismatch: config.data's tokenizer {tokenizer!r} differs from the "
+            f"teacher's {teacher.metadata['tokenizer']!r} (config.distill.teacher_workdir="
+            f"{teacher.workdir!r}); the draft must share the target's tokenizer"
+        )
+    if draft_cfg.vocab_size != teacher.config.vocab_size:
+        raise ValueError(
+            f"config.draft.vocab_size={draft_cfg.vocab_size} differs from the teacher's "
+            f'vocab_size={teacher.config.vocab_size}: draft and target must share a vocabulary'
+        )
