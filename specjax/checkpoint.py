@@ -1,0 +1,241 @@
+"""Checkpoints for every mode: one orbax CheckpointManager in <workdir>/checkpoints.
+
+A checkpoint at step s holds three items:
+  state  the training state pytree (arrays; restored onto the target shardings you pass),
+  data   the training data iterator's state (JSON), so a resumed run continues the same order,
+  meta   JSON metadata: 'model_config', 'tokenizer', 'corpus', 'config', 'mode', 'step', plus the
+         names of the identity fields ('identity') a resumed run must match.
+
+Nothing is overwritten: orbax refuses to write an existing step, and params are checked finite
+before every save, so the last good checkpoint survives a diverged run. Consumers (sampling,
+distill, spec_eval) call `load_model(workdir)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+CHECKPOINT_DIR = 'checkpoints'
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+
+
+def to_json(value) -> Any:
+    """Normalises a value (ConfigDict, tuples, numpy scalars) to what JSON gives back."""
+    if hasattr(value, 'to_json_best_effort'):
+        return json.loads(value.to_json_best_effort())
+    as_plain = lambda o: o.item() if hasattr(o, 'item') else str(o)
+    return json.loads(json.dumps(value, default=as_plain))
+
+
+def first_difference(saved, current, path: str) -> tuple[str, Any, Any] | None:
+    """The first (path, saved, current) where two JSON values differ, or None."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current), key=str):
+            diff = first_difference(saved.get(key), current.get(key), f'{path}.{key}')
+            if diff:
+                return diff
+        return None
+    return None if saved == current else (path, saved, current)
+
+
+@jax.jit
+def _all_finite(tree):
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def check_finite(tree, what: str = 'params') -> None:
+    """Raises FloatingPointError naming the first non-finite leaf of `tree`."""
+    if bool(_all_finite(tree)):
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        inexact = jnp.issubdtype(leaf.dtype, jnp.inexact)
+        if inexact and not bool(jnp.all(jnp.isfinite(leaf))):
+            raise FloatingPointError(f'non-finite values in {what}{jax.tree_util.keystr(path)}')
+    raise FloatingPointError(f'non-finite values in {what}')
+
+
+class Checkpoints:
+    """Save / restore / inspect the checkpoints of one workdir."""
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        keep: int | None = None,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        self.directory = checkpoint_dir(workdir)
+        policy = ocp.checkpoint_managers.LatestN(keep) if keep else None
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy,
+            enable_async_checkpointing=async_save,
+            read_only=read_only,
+            create=not read_only,
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=('state', 'data', 'meta')
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The 'meta' JSON of `step` (default: latest); FileNotFoundError if there is none."""
+        step = self._step(step)
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(meta['meta'])
+
+    def check_identity(self, identity: dict[str, Any], step: int | None = None) -> None:
+        """ValueError naming the field and both values if `identity` differs from the checkpoint's.
+
+        Called before anything compiles, so a wrong --workdir fails fast.
+        """
+        step = self._step(step)
+        meta = self.metadata(step)
+        for key, value in identity.items():
+            if key not in meta:
+                raise ValueError(
+                    f'checkpoint {self.directory} step {step} has no {key!r} metadata; it was not '
+                    f'made by this mode (mode={meta.get("mode")!r}). Use a new --workdir.'
+                )
+            diff = first_difference(meta[key], to_json(value), key)
+            if diff:
+                field, saved, current = diff
+                raise ValueError(
+                    f'checkpoint mismatch in {self.directory} (step {step}): {field} is {saved!r} '
+                    f'in the checkpoint but {current!r} in this run. Use a new --workdir or the '
+                    'original settings.'
+                )
+
+    def save(
+        self, step: int, state, *, data_state: Any, metadata: dict[str, Any], finite: Any = None
+    ) -> None:
+        """Writes checkpoint `step` (async by default) if `finite` (default: state) is finite.
+
+        Raises FloatingPointError before writing anything if `finite` holds NaN/Inf, and
+        ValueError if `step` already exists (nothing is ever overwritten).
+        """
+        check_finite(state if finite is None else finite)
+        if step in self.manager.all_steps():
+            raise ValueError(f'checkpoint step {step} already exists in {self.directory}')
+        meta = dict(to_json(metadata), step=int(step))
+        saved = self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(to_json(data_state)),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+        if not saved:
+            raise RuntimeError(f'orbax declined to save step {step} in {self.directory}')
+
+    def restore(self, abstract_state, step: int | None = None):
+        """Returns (state, data_state, metadata) of `step` (default latest).
+
+        abstract_state: pytree of jax.ShapeDtypeStruct carrying the target shardings.
+        """
+        step = self._step(step)
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+        return out['state'], out['data'], dict(out['meta'])
+
+    def wait(self) -> None:
+        """Blocks until pending async saves are committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def _step(self, step):
+        if step is None:
+            step = self.manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f'no checkpoint in {self.directory}')
+        if step not in self.manager.all_steps():
+            raise FileNotFoundError(
+                f'no checkpoint step {step} in {self.directory}; have {self.all_steps()}'
+            )
+        return step
+
+
+def abstract_with_shardings(abstract, shardings):
+    """ShapeDtypeStructs of `abstract` carrying the matching NamedSharding from `shardings`."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def load_model(
+    workdir: str,
+    step: int | None = None,
+    *,
+    mesh=None,
+    rules=None,
+    params_key: str = 'params',
+    config_key: str = 'model_config',
+):
+    """Loads a trained Transformer from `workdir`'s checkpoint -> (model, metadata).
+
+    Only the parameters are read (optimizer state is skipped). By default they land on the
+    default device; pass `mesh` and `rules` (config.mesh.rules) to restore them sharded.
+    params_key / config_key select another model in the state (e.g. a co-trained draft).
+    """
+    from specjax.models import Transformer, TransformerConfig
+    from specjax.parallel import param_shardings
+
+    ckpts = Checkpoints(workdir, read_only=True)
+    try:
+        step = ckpts._step(step)
+        meta = ckpts.metadata(step)
+        if config_key not in meta:
+            raise ValueError(f'checkpoint step {step} in {ckpts.directory} has no {config_key!r}')
+        cfg = TransformerConfig.from_dict(meta[config_key])
+        abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        graphdef, abstract_params = nnx.split(abstract_model)
+        if mesh is not None:
+            shardings = param_shardings(mesh, abstract_params, rules)
+        else:
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree.map(lambda _: device, abstract_params)
+        target = {params_key: abstract_with_shardings(abstract_params, shardings)}
+        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+        out = ckpts.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True
+                )
+            ),
+        )
+    finally:
+        ckpts.close()
+    model = nnx.merge(graphdef, out['state'][params_key])
+    return model, meta

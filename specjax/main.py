@@ -1,0 +1,79 @@
+"""specjax entry point; each config file's docstring holds its exact run command:
+
+  python -m specjax.main --config=configs/x.py:arg --workdir=DIR [--config.a.b=v]
+
+Loads the ml_collections config, then calls the library function for `config.mode` with
+(config, workdir).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging as pylogging
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from specjax.parallel.distributed import initialize_from_env
+
+# mode -> 'module:function' taking (config, workdir); imported only when chosen.
+MODES = {
+    'pretrain': 'specjax.train.pretrain:pretrain',
+    'distill': 'specjax.distill.modes:run_distill',
+    'cotrain': 'specjax.distill.cotrain:run_cotrain',
+    'spec_eval': 'specjax.experiments.spec_eval:run',
+    'sweep': 'specjax.experiments.sweep:run',
+}
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file: path[:arg].')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: checkpoints, metrics, results.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+class _QuietLibraries(pylogging.Filter):
+    """Drops orbax's per-save INFO chatter; warnings and errors still show."""
+
+    def filter(self, record):
+        return record.levelno >= pylogging.WARNING or '/orbax/' not in record.pathname
+
+
+def resolve_mode(mode):
+    """The callable for `mode`; ValueError listing the known modes otherwise."""
+    if mode not in MODES:
+        raise ValueError(f'config.mode={mode!r} is not a known mode; known: {sorted(MODES)}')
+    module, _, name = MODES[mode].partition(':')
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_flags(argv):
+    """absl flag parsing that turns an unknown --config.x.y override into a one-line error."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f'FATAL flags error: {e}\nPass --helpfull to see help on flags.')
+    except (AttributeError, KeyError) as e:
+        while isinstance(e, BaseException) and e.args:  # ml_collections nests KeyError in ...
+            e = e.args[0]
+        bad = [a for a in argv[1:] if a.startswith('--config.')]
+        sys.exit(f'FATAL unknown config field in {bad}: {e}')
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    initialize_from_env()  # multi-process runs (launch/); a no-op on one machine
+    config = _CONFIG.value
+    run = resolve_mode(config.get('mode'))
+    logging.get_absl_handler().addFilter(_QuietLibraries())
+    logging.info(
+        'mode %s, workdir %s, config: %s',
+        config.mode,
+        _WORKDIR.value,
+        config.to_json_best_effort(sort_keys=True),
+    )
+    run(config, _WORKDIR.value)
+
+
+if __name__ == '__main__':
+    app.run(main, flags_parser=parse_flags)

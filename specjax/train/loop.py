@@ -1,0 +1,208 @@
+"""The training loop every mode shares: resume, checkpoints, SIGTERM, non-finite checks, metrics.
+
+A mode (pretrain, distill, cotrain) describes itself as a `Task` (its state, jitted step, eval,
+data and identity) and calls `run_loop(task, workdir, config.train)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from specjax.checkpoint import Checkpoints
+from specjax.train.metrics import MetricsWriter, Progress, format_progress, log
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN/Inf; `step` is the 1-based step whose loss it was."""
+
+    def __init__(self, step: int, value: float, last_checkpoint: int | None, directory: str):
+        self.step = step
+        super().__init__(
+            f'non-finite training loss {value} at step {step}; stopped without saving. Last good '
+            f'checkpoint: step {last_checkpoint} in {directory}'
+        )
+
+
+@dataclasses.dataclass
+class Task:
+    """What run_loop needs from a training mode."""
+
+    mode: str  # recorded in checkpoint metadata
+    init_state: Callable[[], Any]  # builds a fresh, sharded state
+    abstract_state: Any  # ShapeDtypeStructs with shardings: checkpoint restore target
+    step: Callable[[Any, Any], tuple[Any, dict]]  # jitted (state, device batch) -> (state, metrics)
+    batches: Any  # iterator of host batches with JSON get_state() / set_state()
+    put_batch: Callable[[dict], Any]  # host batch -> global device arrays
+    evaluate: Callable[[Any], dict[str, float]] | None  # state -> validation scalars
+    identity: dict[str, Any]  # must match a checkpoint to resume from it (e.g. model_config)
+    metadata: dict[str, Any]  # saved with each checkpoint, not compared (e.g. config)
+    tokens_per_step: int  # for tokens/s
+    finite_part: Callable[[Any], Any] = lambda state: state.params  # checked before each save
+
+
+@dataclasses.dataclass
+class LoopResult:
+    state: Any
+    step: int  # steps completed
+    preempted: bool  # stopped early by SIGTERM / preemption, after saving
+    eval: dict[str, float]  # last validation scalars ({} if none ran)
+    checkpoint_step: int | None  # latest checkpoint on disk
+    checkpoint_dir: str
+
+
+class _Preemption:
+    """SIGTERM -> flag checked at step boundaries; multi-process runs use JAX's sync point."""
+
+    def __init__(self, ckpts: Checkpoints):
+        self._ckpts = ckpts
+        self._flag = False
+        self._previous = None
+
+    def __enter__(self):
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handler(self, signum, frame):
+        self._flag = True
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return self._ckpts.manager.reached_preemption(step)
+        return self._flag
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+class _TrainMetrics:
+    """Per-step metrics kept on device until a flush; flushing checks every loss is finite."""
+
+    def __init__(self):
+        self._rows: list[tuple[int, dict]] = []
+
+    def add(self, step: int, metrics: dict) -> None:
+        self._rows.append((step, metrics))
+
+    def check(self, ckpts: Checkpoints) -> None:
+        """Fetches pending rows; raises NonFiniteLossError at the first non-finite loss."""
+        self._rows = [(s, jax.device_get(m)) for s, m in self._rows]
+        for step, m in self._rows:
+            loss = float(m['loss'])
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(step, loss, ckpts.latest_step(), ckpts.directory)
+
+    def pop_means(self) -> dict[str, float]:
+        """Window averages of every scalar since the last pop (lr: the latest value)."""
+        rows = [m for _, m in self._rows]
+        self._rows = []
+        if not rows:
+            return {}
+        out = {k: float(np.mean([float(r[k]) for r in rows])) for k in rows[0]}
+        if 'lr' in rows[-1]:
+            out['lr'] = float(rows[-1]['lr'])
+        return out
+
+
+def run_loop(task: Task, workdir: str, train_cfg, *, on_step: Callable | None = None):
+    """Trains `task` to train_cfg.steps, resuming from <workdir>/checkpoints if present.
+
+    Saves every checkpoint_every steps and at the end; on SIGTERM saves at the next step
+    boundary, waits for the write and returns with preempted=True. A non-finite loss raises
+    NonFiniteLossError (the last good checkpoint is left intact). on_step(step, state) is called
+    after each step (tests, custom hooks). Returns a LoopResult.
+    """
+    total = int(train_cfg.steps)
+    ckpts = Checkpoints(
+        workdir, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpointing
+    )
+    writer = None
+    try:
+        start = ckpts.latest_step()
+        if start is not None:
+            ckpts.check_identity(task.identity, start)
+            state, data_state, _ = ckpts.restore(task.abstract_state, start)
+            task.batches.set_state(data_state)
+            log(f'resumed from {ckpts.directory} step {start}')
+        else:
+            start = 0
+            state = task.init_state()
+        writer = MetricsWriter(workdir)
+        metadata = dict(task.metadata, **task.identity, mode=task.mode)
+        pending = _TrainMetrics()
+        progress = Progress(start, total, task.tokens_per_step)
+        last_eval, eval_step = {}, None
+        step = start
+
+        def evaluate():
+            nonlocal last_eval, eval_step
+            t0 = time.perf_counter()
+            last_eval, eval_step = task.evaluate(state), step
+            writer.write(step, 'eval', last_eval)
+            log(f'eval step {step}: ' + '  '.join(f'{k} {v:.4f}' for k, v in last_eval.items()))
+            progress.pause(time.perf_counter() - t0)
+
+        with _Preemption(ckpts) as preemption:
+            while step < total:
+                first = step == start
+                t0 = time.perf_counter()
+                state, metrics = task.step(state, task.put_batch(next(task.batches)))
+                step += 1
+                pending.add(step, metrics)
+                if first:
+                    jax.block_until_ready(metrics)
+                    log(
+                        f'step {step}: first step (compile + run) took '
+                        f'{time.perf_counter() - t0:.1f} s'
+                    )
+                    progress = Progress(step, total, task.tokens_per_step)
+                if on_step is not None:
+                    on_step(step, state)
+                stop = preemption.requested(step)
+                save = stop or step == total or _due(step, train_cfg.checkpoint_every)
+                if save or _due(step, train_cfg.log_every):
+                    pending.check(ckpts)
+                if _due(step, train_cfg.log_every) or step == total:
+                    scalars = pending.pop_means()
+                    scalars.update(progress.update(step))
+                    writer.write(step, 'train', scalars)
+                    log(format_progress(step, total, scalars))
+                eval_due = _due(step, train_cfg.eval_every) or step == total
+                if task.evaluate and eval_due and not stop:
+                    evaluate()
+                if save:
+                    t0 = time.perf_counter()
+                    ckpts.save(
+                        step,
+                        state,
+                        data_state=task.batches.get_state(),
+                        metadata=metadata,
+                        finite=task.finite_part(state),
+                    )
+                    progress.pause(time.perf_counter() - t0)
+                if stop:
+                    ckpts.wait()
+                    log(f'preempted: saved step {step} to {ckpts.directory}; rerun to resume')
+                    return LoopResult(state, step, True, last_eval, step, ckpts.directory)
+        if task.evaluate and eval_step != step:
+            evaluate()
+        ckpts.wait()
+        return LoopResult(state, step, False, last_eval, ckpts.latest_step(), ckpts.directory)
+    finally:
+        if writer is not None:
+            writer.close()
+        ckpts.close()
