@@ -16,12 +16,10 @@ Run (tiny: a ~0.4M-param target, ~0.14M-param drafts, 3 seeds; 21 x 3 = 63 disti
   python -m specjax.main --config=configs/ablations/distillspec.py:size=tiny \
       --workdir=/tmp/specjax/distillspec_tiny
 
-Measured (2026-11, 2-core CPU shared with other jobs, load average ~8; not yet timed end to end):
-the target prerequisite 170 s; a distill point 36-97 s wall, 18-41 s CPU, with the sweep's
-shared JAX compilation cache warm, ~150 s for the first point of each new loss/data shape. From
-the CPU times the full tiny sweep needs ~30 CPU-minutes (about 30-40 minutes on an idle 2-core
-machine, roughly twice that under load). At this scale the drafts stay near-unigram after 100
-steps, so the T = 0 columns (argmax agreement) are noisy; the T = 1 columns separate better.
+Measured (2026-11-30, 2-core CPU shared with one other training job): the whole tiny sweep,
+63/63 points, took 1573 s (26 min); a point takes a median 22 s with the sweep's shared JAX
+compilation cache warm. At this scale the drafts stay near-unigram after 100 steps, so the T = 0
+columns (argmax agreement) are degenerate; the T = 1 columns separate (README, Findings).
 Fewer seeds for a smoke run: --config.sweep.seeds=1. Rerunning the same command resumes: finished
 points are skipped. Outputs: <workdir>/summary.{md,csv,json}, <workdir>/plots/*.png, and per
 point <workdir>/points/<name>/{results.json,sweep.log,sweep_status.json}.
