@@ -270,4 +270,4 @@ def test_ahead_of_time_lowering_matches_the_call():
     prompts, lengths = ragged_prompts(GREEDY_PROMPTS, BATCH)
     args = (split(target)[1], split(draft)[1], prompts, lengths, 0)
     compiled = fn.lower(*args).compile()
-    np.testing.assert_array_equal(compiled(*fn._prepare(args)).tokens, fn(*args).tokens)
+    np.testing.assert_array_equal(compiled(*fn.place(args)).tokens, fn(*args).tokens)

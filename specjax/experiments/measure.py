@@ -13,10 +13,8 @@ import resource
 import time
 
 import jax
-import jax.numpy as jnp
 import psutil
 
-from specjax.parallel import batch_sharding, param_shardings, replicated
 from specjax.sampling import common
 
 
@@ -25,14 +23,11 @@ class CompiledSampler:
     """An AOT-compiled sampler: call(*params, prompts, prompt_lengths, rng) -> SampleOutput."""
 
     compiled: object
-    shardings: tuple
+    sampler: common.ShardedSampler  # checks and places arguments like the jitted path
     compile_s: float
 
     def __call__(self, *args):
-        *params, prompts, prompt_lengths, rng = args
-        args = (*params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32))
-        args = jax.device_put((*args, common.as_key(rng)), self.shardings)
-        return self.compiled(*args)
+        return self.compiled(*self.sampler.place(args))
 
     def memory(self) -> dict:
         return compiled_memory(self.compiled)
@@ -40,19 +35,9 @@ class CompiledSampler:
 
 def compile_sampler(sampler, params: list, prompts, prompt_lengths, rng) -> CompiledSampler:
     """Lowers and compiles `sampler` (a ShardedSampler) for these argument shapes."""
-    _, width = common.check_prompts(prompts, prompt_lengths)
-    sampler.check(width)
-    mesh, rules = sampler.mesh, sampler.rules
-    shardings = tuple(
-        [param_shardings(mesh, p, rules) for p in params]
-        + [batch_sharding(mesh, rules)] * 2
-        + [replicated(mesh)]
-    )
-    args = (*params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32))
-    args = jax.device_put((*args, common.as_key(rng)), shardings)
     t0 = time.perf_counter()
-    compiled = jax.jit(sampler.core, in_shardings=shardings).lower(*args).compile()
-    return CompiledSampler(compiled, shardings, time.perf_counter() - t0)
+    compiled = sampler.lower(*params, prompts, prompt_lengths, rng).compile()
+    return CompiledSampler(compiled, sampler, time.perf_counter() - t0)
 
 
 def compiled_memory(compiled) -> dict:

@@ -149,16 +149,16 @@ class ShardedSampler:
 
     def __call__(self, *args) -> SampleOutput:
         """args: (*params, prompts, prompt_lengths, rng)."""
-        args = self._prepare(args)  # builds the jit on first use
+        args = self.place(args)  # builds the jit on first use
         return self._jitted(*args)
 
     def lower(self, *args):
         """The jit's Lowered for these arguments (ahead-of-time compile: `.compile()`)."""
-        args = self._prepare(args)
+        args = self.place(args)
         return self._jitted.lower(*args)
 
-    def _prepare(self, args):
-        """Checks the arguments, builds the jit on first use, places the arguments."""
+    def place(self, args):
+        """Checks (*params, prompts, lengths, rng), builds the jit on first use, places them."""
         *params, prompts, prompt_lengths, rng = args
         batch, width = check_prompts(prompts, prompt_lengths)
         self.check(width)
