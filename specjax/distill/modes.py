@@ -66,19 +66,9 @@ def load_data(config) -> DistillData:
     """The real pipeline (specjax.data) for config.data."""
     from specjax import data as data_lib
     from specjax.data.sources import open_dataset
+    from specjax.train.pretrain import open_pipeline
 
-    tok = data_lib.build_tokenizer(config.data)
-    train = data_lib.make_train_iterator(
-        config.data, tok, global_batch_size=config.train.batch_size, seed=config.seed
-    )
-    eval_batches = list(
-        data_lib.make_eval_batches(
-            config.data,
-            tok,
-            global_batch_size=config.train.batch_size,
-            max_batches=config.train.eval_batches,
-        )
-    )
+    tok, train, eval_batches = open_pipeline(config, num_eval_batches=config.train.eval_batches)
     return DistillData(
         train=train,
         eval_batches=eval_batches,

@@ -77,8 +77,8 @@ def check_batch_divides(batch_size: int, mesh, rules) -> None:
         )
 
 
-def load_data(config, *, num_eval_batches: int) -> PretrainData:
-    """The real pipeline (specjax.data) for config.data."""
+def open_pipeline(config, *, num_eval_batches: int):
+    """(tokenizer, train iterator, eval batches) of the real pipeline for config.data."""
     from specjax import data as data_lib
 
     tok = data_lib.build_tokenizer(config.data)
@@ -93,6 +93,14 @@ def load_data(config, *, num_eval_batches: int) -> PretrainData:
             max_batches=num_eval_batches,
         )
     )
+    return tok, train, eval_batches
+
+
+def load_data(config, *, num_eval_batches: int) -> PretrainData:
+    """The real pipeline (specjax.data) for config.data, with the corpus's baselines."""
+    from specjax import data as data_lib
+
+    tok, train, eval_batches = open_pipeline(config, num_eval_batches=num_eval_batches)
     baselines = data_lib.baseline_losses(config.data, tok, batches=eval_batches)
     return PretrainData(
         train=train,
