@@ -36,22 +36,14 @@ import os
 
 import ml_collections
 
+from specjax.distill.modes import HEADLINE_METRICS
 from specjax.experiments.sweep import default_sweep_config
 
 _CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DIVERGENCES = ('fkl', 'rkl', 'jsd', 'tvd', 'neg_log_alpha')
 SOURCES = ('dataset', 'teacher', 'on_policy', 'mixture')
-METRICS = (
-    'alpha_T0',
-    'alpha_T1',
-    'acceptance_k4_T0',
-    'tau_k4_T0',
-    'acceptance_k4_T1',
-    'tau_k4_T1',
-    'predicted_speedup_k4_T1',
-    'draft_val_loss',
-)
+METRICS = HEADLINE_METRICS
 
 # size: (target preset, target steps, draft preset, draft steps, warmup, new tokens per prompt)
 _PRESETS = {

@@ -62,6 +62,19 @@ class DistillData:
     eos_id: int | None  # generation stops after eos (kept as the last generated token)
 
 
+# results.json keys printed at the end of a run and reported by sweeps (configs/ablations/).
+HEADLINE_METRICS = (
+    'alpha_T0',
+    'alpha_T1',
+    'acceptance_k4_T0',
+    'tau_k4_T0',
+    'acceptance_k4_T1',
+    'tau_k4_T1',
+    'predicted_speedup_k4_T1',
+    'draft_val_loss',
+)
+
+
 def load_data(config) -> DistillData:
     """The real pipeline (specjax.data) for config.data."""
     from specjax import data as data_lib
@@ -245,20 +258,7 @@ def finish_results(workdir, results) -> dict:
         return results
     path = write_results(workdir, results)
     if jax.process_index() == 0:
-        keys = [
-            k
-            for k in (
-                'draft_val_loss',
-                'alpha_T0',
-                'alpha_T1',
-                'acceptance_k4_T0',
-                'tau_k4_T0',
-                'acceptance_k4_T1',
-                'tau_k4_T1',
-                'predicted_speedup_k4_T1',
-            )
-            if k in results
-        ]
+        keys = [k for k in HEADLINE_METRICS if k in results]
         print('  '.join(f'{k} {results[k]:.4f}' for k in keys), flush=True)
         print(f'results: {path}', flush=True)
     return results
