@@ -17,7 +17,7 @@ from specjax.models import (
     init_cache,
     split,
 )
-from specjax.models.layers import attend, rope
+from specjax.models.layers import attend, inv_frequencies, rope
 
 CFG = TransformerConfig(
     vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=64
@@ -133,7 +133,7 @@ def test_rope_matches_hf_rotate_half_reference(highest_precision):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
     pos = np.array([[0, 1, 2, 3, 4], [7, 9, 11, 100, 1000]])
-    out = rope(jnp.asarray(x), jnp.asarray(pos), 500.0)
+    out = rope(jnp.asarray(x), jnp.asarray(pos), inv_frequencies(x.shape[-1], 500.0))
     np.testing.assert_allclose(out, _np_rope(x, pos, 500.0), atol=1e-4)
 
 

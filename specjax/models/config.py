@@ -9,8 +9,50 @@ _DTYPES = ('float32', 'bfloat16', 'float16')
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (Hugging Face `rope_type: llama3`).
+
+    Wavelengths shorter than original_max_len / high_freq_factor are kept, those longer than
+    original_max_len / low_freq_factor are divided by `factor`, and the band between is
+    interpolated smoothly (see `specjax.models.layers.inv_frequencies`).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_len: int
+
+    def __post_init__(self):
+        for name in ('factor', 'low_freq_factor', 'high_freq_factor'):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f'RopeScaling.{name} must be a number > 0, got {value!r}')
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f'RopeScaling.high_freq_factor={self.high_freq_factor!r} must be above '
+                f'low_freq_factor={self.low_freq_factor!r}'
+            )
+        m = self.original_max_len
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f'RopeScaling.original_max_len must be a positive int, got {m!r}')
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Llama-style decoder hyper-parameters; validated on construction."""
+    """Llama-style decoder hyper-parameters; validated on construction.
+
+    vocab_size, d_model (E), n_layers, n_heads (H), n_kv_heads (K, dividing H: grouped-query
+    attention), d_ff (F, the SwiGLU width) and max_len (the largest position, cache scratch
+    included) size the model. head_dim (D) defaults to d_model // n_heads; an explicit value
+    (e.g. Qwen3, Gemma) lets H * D differ from E. It is resolved at construction, so
+    `cfg.head_dim` is always an int, and `to_dict` leaves it out when it equals the default (old
+    checkpoints' configs stay identical); `dataclasses.replace` of d_model or n_heads keeps a
+    resolved head_dim, so pass head_dim=None with them. rope_theta is RoPE's base and
+    rope_scaling an optional `RopeScaling` (a dict of its fields is accepted). tie_embeddings
+    shares the embedding with the output head; norm_eps is RMSNorm's epsilon; dtype is the
+    activations' compute dtype (logits and softmax are always float32) and param_dtype the
+    parameters' storage dtype.
+    """
 
     vocab_size: int
     d_model: int
@@ -24,6 +66,8 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     dtype: str = 'float32'  # compute dtype of activations; logits and softmax are always float32
     param_dtype: str = 'float32'  # storage dtype of parameters
+    head_dim: int | None = None  # None: d_model // n_heads (resolved on construction)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
     def __post_init__(self):
         for name in (
@@ -38,23 +82,34 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f'TransformerConfig.{name} must be a positive int, got {value!r}')
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f'TransformerConfig.d_model={self.d_model} is not divisible by '
-                f'n_heads={self.n_heads}'
-            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f'TransformerConfig.n_heads={self.n_heads} is not divisible by '
                 f'n_kv_heads={self.n_kv_heads}'
             )
-        if self.head_dim % 2:
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f'TransformerConfig.d_model={self.d_model} is not divisible by '
+                    f'n_heads={self.n_heads} (set head_dim explicitly for such models)'
+                )
+            object.__setattr__(self, 'head_dim', self.d_model // self.n_heads)
+        hd = self.head_dim
+        if not isinstance(hd, int) or isinstance(hd, bool) or hd < 1:
+            raise ValueError(f'TransformerConfig.head_dim must be a positive int, got {hd!r}')
+        if hd % 2:
             raise ValueError(
-                f'TransformerConfig head_dim = d_model / n_heads = {self.head_dim} is odd; '
-                'rotary embeddings need an even head_dim'
+                f'TransformerConfig.head_dim={hd} is odd; rotary embeddings need an even head_dim'
             )
         if not self.rope_theta > 0:
             raise ValueError(f'TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}')
+        if hasattr(self.rope_scaling, 'keys'):  # a dict or ConfigDict of RopeScaling's fields
+            object.__setattr__(self, 'rope_scaling', _rope_scaling(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                'TransformerConfig.rope_scaling must be None, a RopeScaling or a dict of its '
+                f'fields, got {self.rope_scaling!r}'
+            )
         if not self.norm_eps > 0:
             raise ValueError(f'TransformerConfig.norm_eps must be > 0, got {self.norm_eps!r}')
         for name in ('dtype', 'param_dtype'):
@@ -63,10 +118,6 @@ class TransformerConfig:
                     f'TransformerConfig.{name} must be one of {_DTYPES}, '
                     f'got {getattr(self, name)!r}'
                 )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     @property
     def num_params(self) -> int:
@@ -78,7 +129,11 @@ class TransformerConfig:
         return self.vocab_size * d + self.n_layers * block + d + head
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready fields; head_dim only when it is not d_model // n_heads."""
+        d = dataclasses.asdict(self)
+        if self.head_dim == self.d_model // self.n_heads and not self.d_model % self.n_heads:
+            del d['head_dim']
+        return d
 
     @classmethod
     def from_dict(cls, d) -> TransformerConfig:
@@ -91,3 +146,14 @@ class TransformerConfig:
                 f'Unknown TransformerConfig field(s) {unknown}; known: {sorted(names)}'
             )
         return cls(**d)
+
+
+def _rope_scaling(d) -> RopeScaling:
+    d = dict(d)
+    names = {f.name for f in dataclasses.fields(RopeScaling)}
+    if set(d) != names:
+        raise ValueError(
+            f'TransformerConfig.rope_scaling needs exactly the fields {sorted(names)}, '
+            f'got {sorted(d)}'
+        )
+    return RopeScaling(**d)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 _INIT_STD = 0.02
@@ -37,10 +38,32 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHD, positions_BT, theta: float):
-    """Rotary embedding in Hugging Face Llama's rotate-half layout: x*cos + rotate_half(x)*sin."""
-    head_dim = x_BTHD.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def inv_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """RoPE's inverse frequencies float32 [head_dim / 2], with Llama 3's scaling when given.
+
+    Computed once per model in float64 (then rounded), as Hugging Face's `default` and `llama3`
+    rope types define them; `scaling` is a `RopeScaling` or None.
+    """
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None:
+        wavelen = 2 * np.pi / inv
+        low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+        smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv / scaling.factor + smooth * inv
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(wavelen > low_wavelen, inv / scaling.factor, np.where(medium, smoothed, inv))
+    return inv.astype(np.float32)
+
+
+def rope(x_BTHD, positions_BT, inv_freq):
+    """Rotary embedding in Hugging Face Llama's rotate-half layout: x*cos + rotate_half(x)*sin.
+
+    inv_freq: [D / 2] inverse frequencies (see `inv_frequencies`).
+    """
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
     freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     x = x_BTHD.astype(jnp.float32)
@@ -76,7 +99,8 @@ class Attention(nnx.Module):
         self.k = param(rngs, (e, k, d), ('embed', 'kv_heads', 'head_dim'), pd)
         self.v = param(rngs, (e, k, d), ('embed', 'kv_heads', 'head_dim'), pd)
         self.o = param(rngs, (h, d, e), ('heads', 'head_dim', 'embed'), pd, std=out_std)
-        self.theta = cfg.rope_theta
+        # A static tuple (part of the graph definition, not a parameter): a constant under jit.
+        self.inv_freq = tuple(inv_frequencies(d, cfg.rope_theta, cfg.rope_scaling).tolist())
         self.dtype = cfg.dtype
 
     def project_qkv(self, x_BTE, positions_BT):
@@ -85,7 +109,7 @@ class Attention(nnx.Module):
         q = jnp.einsum('bte,ehd->bthd', x_BTE, self.q[...].astype(dt))
         k = jnp.einsum('bte,ekd->btkd', x_BTE, self.k[...].astype(dt))
         v = jnp.einsum('bte,ekd->btkd', x_BTE, self.v[...].astype(dt))
-        return rope(q, positions_BT, self.theta), rope(k, positions_BT, self.theta), v
+        return rope(q, positions_BT, self.inv_freq), rope(k, positions_BT, self.inv_freq), v
 
     def project_out(self, out_BTHD):
         return jnp.einsum('bthd,hde->bte', out_BTHD, self.o[...].astype(self.dtype))
