@@ -39,7 +39,7 @@ def _model(d_model, n_layers, n_heads, d_ff, vocab_ref, max_len) -> ml_collectio
     m.n_heads = n_heads  # query heads
     m.n_kv_heads = n_heads  # key/value heads
     m.d_ff = d_ff  # SwiGLU hidden width
-    m.max_len = max_len  # >= prompt_len_max + max_new_tokens + max(ks) + 1
+    m.max_len = max_len  # >= eval.prompt_len_max + eval.max_new_tokens + max(eval.ks) + 1
     m.rope_theta = 10000.0  # rotary base
     m.tie_embeddings = True  # output head shares the embedding matrix
     m.norm_eps = 1e-6  # RMSNorm epsilon
@@ -69,13 +69,15 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.prompts_per_domain = 8  # validation documents per domain (fewer if the split lacks)
     c.eval.prompt_len_min = 16  # prompt = a document's first L tokens (bos included), L uniform
-    c.eval.prompt_len_max = 64  # ... in [prompt_len_min, prompt_len_max]
+    # prompt_len_max + max_new_tokens + max(ks) + 1 must fit both models' max_len (checked before
+    # loading): 48 + 64 + 8 + 1 = 121 <= 128, the max_len of configs/distill.py's drafts.
+    c.eval.prompt_len_max = 48  # ... in [prompt_len_min, prompt_len_max]
     c.eval.max_new_tokens = 64  # generated tokens per prompt (fewer if eos comes first)
     c.eval.stop_at_eos = True  # stop a row at the tokenizer's eos
     c.eval.batch_size = 8  # rows per sampler call (the last batch is padded, padding ignored)
     c.eval.ks = (1, 2, 4, 8)  # draft lengths k to evaluate
     c.eval.samplings = ((0.0, 0, 1.0), (1.0, 0, 1.0))  # (temperature, top_k, top_p) grid
-    c.eval.prompt_len_edges = (32, 48)  # prompt-length bucket edges
+    c.eval.prompt_len_edges = (24, 40)  # prompt-length bucket edges
     c.eval.gen_len_edges = (16, 64)  # generated-length bucket edges
     c.eval.timing_repeats = 3  # timed passes per point, round-robin over points (median)
     c.eval.calibration_iters = 16  # cached calls per timed loop (calibrate)

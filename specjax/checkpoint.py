@@ -9,20 +9,38 @@ A checkpoint at step s holds three items:
 Nothing is overwritten: orbax refuses to write an existing step, and params are checked finite
 before every save, so the last good checkpoint survives a diverged run. Consumers (sampling,
 distill, spec_eval) call `load_model(workdir)`.
+
+A step that cannot be read (orbax metadata or an item missing, a truncated array file) is skipped
+with a warning naming the step and the reason, and the newest intact step is used instead; it is
+never deleted. A training run that resumes past broken steps moves them to
+<workdir>/checkpoints_broken/<step>.<time> (so the step numbers can be written again).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import shutil
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx
 
+from specjax.workdir import ConfigMismatch
+
 CHECKPOINT_DIR = 'checkpoints'
+BROKEN_DIR = 'checkpoints_broken'
+# Files every committed step has (orbax's step metadata, then each item's own metadata).
+_REQUIRED_FILES = ('_CHECKPOINT_METADATA', 'state/_METADATA', 'data/metadata', 'meta/metadata')
+
+
+class NoIntactCheckpoint(FileNotFoundError):
+    """Every checkpoint step in the directory is unreadable (the reasons are in the message)."""
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -33,7 +51,12 @@ def to_json(value) -> Any:
     """Normalises a value (ConfigDict, tuples, numpy scalars) to what JSON gives back."""
     if hasattr(value, 'to_json_best_effort'):
         return json.loads(value.to_json_best_effort())
-    as_plain = lambda o: o.item() if hasattr(o, 'item') else str(o)
+
+    def as_plain(o):
+        if hasattr(o, 'to_json_best_effort'):  # a ConfigDict nested in a dict
+            return json.loads(o.to_json_best_effort())
+        return o.item() if hasattr(o, 'item') else str(o)
+
     return json.loads(json.dumps(value, default=as_plain))
 
 
@@ -105,7 +128,7 @@ class Checkpoints:
         return dict(meta['meta'])
 
     def check_identity(self, identity: dict[str, Any], step: int | None = None) -> None:
-        """ValueError naming the field and both values if `identity` differs from the checkpoint's.
+        """ConfigMismatch (a ValueError) naming the field and both values if `identity` differs.
 
         Called before anything compiles, so a wrong --workdir fails fast.
         """
@@ -113,14 +136,14 @@ class Checkpoints:
         meta = self.metadata(step)
         for key, value in identity.items():
             if key not in meta:
-                raise ValueError(
+                raise ConfigMismatch(
                     f'checkpoint {self.directory} step {step} has no {key!r} metadata; it was not '
                     f'made by this mode (mode={meta.get("mode")!r}). Use a new --workdir.'
                 )
             diff = first_difference(meta[key], to_json(value), key)
             if diff:
                 field, saved, current = diff
-                raise ValueError(
+                raise ConfigMismatch(
                     f'checkpoint mismatch in {self.directory} (step {step}): {field} is {saved!r} '
                     f'in the checkpoint but {current!r} in this run. Use a new --workdir or the '
                     'original settings.'
@@ -166,6 +189,65 @@ class Checkpoints:
         )
         return out['state'], out['data'], dict(out['meta'])
 
+    def step_problem(self, step: int) -> str | None:
+        """Why `step` is not a complete checkpoint (a missing file), or None if it looks whole."""
+        step_dir = os.path.join(self.directory, str(step))
+        for name in _REQUIRED_FILES:
+            if not os.path.isfile(os.path.join(step_dir, name)):
+                return f'{name} is missing'
+        return None
+
+    def newest_readable(self, read: Callable[[int], Any], step: int | None = None):
+        """(step, read(step)) for the newest step (<= `step` if given) that `read` can load.
+
+        A step with a missing file or whose read raises (except ConfigMismatch: identity and
+        config mismatches propagate) is skipped with a warning; skipped steps are recorded in
+        self.skipped as (step, reason). NoIntactCheckpoint if none can be read.
+        """
+        steps = sorted(self.all_steps(), reverse=True)
+        if step is not None:
+            steps = [s for s in steps if s <= step]
+        if not steps:
+            raise FileNotFoundError(f'no checkpoint in {self.directory}')
+        self.skipped: list[tuple[int, str]] = []
+        for s in steps:
+            reason = self.step_problem(s)
+            if reason is None:
+                try:
+                    return s, read(s)
+                except ConfigMismatch:
+                    raise
+                except Exception as e:  # orbax/TensorStore raise many types for unreadable data
+                    reason = f'{type(e).__name__}: {_first_line(e)}'
+            self.skipped.append((s, reason))
+            logging.warning(
+                'checkpoint step %d in %s cannot be read (%s); it is left in place and the '
+                'next older step is tried',
+                s,
+                self.directory,
+                reason,
+            )
+        raise NoIntactCheckpoint(
+            f'no readable checkpoint in {self.directory}: '
+            + '; '.join(f'step {s}: {r}' for s, r in self.skipped)
+            + '. Move the checkpoints/ folder aside to start afresh.'
+        )
+
+    def move_aside(self, steps) -> list[str]:
+        """Moves step folders to <workdir>/checkpoints_broken/<step>.<time>; returns new paths."""
+        stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+        dest_root = os.path.join(os.path.dirname(self.directory), BROKEN_DIR)
+        moved = []
+        for step in steps:
+            dest = os.path.join(dest_root, f'{step}.{stamp}')
+            os.makedirs(dest_root, exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), dest)
+            logging.warning('moved unreadable checkpoint step %d to %s (not deleted)', step, dest)
+            moved.append(dest)
+        if moved:
+            self.manager.reload()
+        return moved
+
     def wait(self) -> None:
         """Blocks until pending async saves are committed."""
         self.manager.wait_until_finished()
@@ -184,6 +266,11 @@ class Checkpoints:
                 f'no checkpoint step {step} in {self.directory}; have {self.all_steps()}'
             )
         return step
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ''
 
 
 def abstract_with_shardings(abstract, shardings):
@@ -211,12 +298,12 @@ def load_model(
     from specjax.models import Transformer, TransformerConfig
     from specjax.parallel import param_shardings
 
-    ckpts = Checkpoints(workdir, read_only=True)
-    try:
-        step = ckpts._step(step)
+    def read(step):
         meta = ckpts.metadata(step)
         if config_key not in meta:
-            raise ValueError(f'checkpoint step {step} in {ckpts.directory} has no {config_key!r}')
+            raise ConfigMismatch(
+                f'checkpoint step {step} in {ckpts.directory} has no {config_key!r}'
+            )
         cfg = TransformerConfig.from_dict(meta[config_key])
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract_model)
@@ -235,7 +322,14 @@ def load_model(
                 )
             ),
         )
+        return nnx.merge(graphdef, out['state'][params_key]), meta
+
+    ckpts = Checkpoints(workdir, read_only=True)
+    try:
+        if step is None:
+            _, (model, meta) = ckpts.newest_readable(read)
+        else:
+            model, meta = read(ckpts._step(step))
     finally:
         ckpts.close()
-    model = nnx.merge(graphdef, out['state'][params_key])
     return model, meta

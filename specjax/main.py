@@ -3,7 +3,8 @@
   python -m specjax.main --config=configs/x.py:arg --workdir=DIR [--config.a.b=v]
 
 Loads the ml_collections config, then calls the library function for `config.mode` with
-(config, workdir).
+(config, workdir). Exit status: 0 done, PREEMPTED_EXIT_CODE (42) stopped by SIGTERM after the
+checkpoint was committed (rerun to resume), anything else a failure.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from specjax.parallel.distributed import initialize_from_env
+from specjax.workdir import PREEMPTED_EXIT_CODE, die_with_runner
 
 # mode -> 'module:function' taking (config, workdir); imported only when chosen.
 MODES = {
@@ -55,13 +57,21 @@ def parse_flags(argv):
     except (AttributeError, KeyError) as e:
         while isinstance(e, BaseException) and e.args:  # ml_collections nests KeyError in ...
             e = e.args[0]
-        bad = [a for a in argv[1:] if a.startswith('--config.')]
-        sys.exit(f'FATAL unknown config field in {bad}: {e}')
+        sys.exit(f'FATAL unknown config field in {bad_overrides(argv, str(e))}: {e}')
+
+
+def bad_overrides(argv, message: str) -> list[str]:
+    """The --config.a.b=v flags whose dotted path holds the unknown key quoted in `message`."""
+    overrides = [a for a in argv[1:] if a.startswith('--config.')]
+    key = message.split("'")[1] if message.count("'") >= 2 else message
+    path = lambda a: a[len('--config.') :].split('=', 1)[0].split('.')
+    return [a for a in overrides if key in path(a)] or overrides
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    die_with_runner()  # a sweep point dies with its runner (no-op otherwise)
     initialize_from_env()  # multi-process runs (launch/); a no-op on one machine
     config = _CONFIG.value
     run = resolve_mode(config.get('mode'))
@@ -72,7 +82,9 @@ def main(argv):
         _WORKDIR.value,
         config.to_json_best_effort(sort_keys=True),
     )
-    run(config, _WORKDIR.value)
+    result = run(config, _WORKDIR.value)
+    if isinstance(result, dict) and result.get('preempted'):
+        sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is committed; launchers restart on this
 
 
 if __name__ == '__main__':

@@ -170,3 +170,111 @@ def test_resume_with_other_model_tokenizer_or_corpus_raises(finished_run, change
     with pytest.raises(ValueError, match=rf'{field} is .* in the checkpoint but .* in this run'):
         pretrain(config, str(workdir), data=data)
     assert sorted(p.name for p in workdir.rglob('*')) == before
+
+
+def _snapshot(workdir) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(workdir.rglob('*')) if p.is_file()}
+
+
+def test_second_run_on_a_locked_workdir_fails_naming_the_first(tmp_path, finished_run, caplog):
+    import subprocess
+    import sys
+
+    from specjax.workdir import WorkdirBusy, hold
+
+    workdir, _ = finished_run
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            '-c',
+            'import sys, time\nfrom specjax.workdir import hold\n'
+            "with hold(sys.argv[1], 'pretrain'):\n    print('held', flush=True)\n"
+            '    time.sleep(120)\n',
+            str(workdir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        before = _snapshot(workdir)
+        config = short_config()
+        with pytest.raises(WorkdirBusy, match=rf'in use by host .* pid {holder.pid} '):
+            pretrain(config, str(workdir), data=markov_data(config))
+        assert _snapshot(workdir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the dead holder's flock: the next run takes over and says so.
+    with caplog.at_level('WARNING'), hold(str(workdir), 'pretrain'):
+        pass
+    assert f'pid {holder.pid}' in caplog.text and 'took over' in caplog.text
+
+
+def _truncate_arrays(step_dir):
+    files = [p for p in step_dir.glob('state/**/d/*') if p.is_file()]
+    assert files
+    for p in files:
+        p.write_bytes(p.read_bytes()[:10])
+
+
+def _empty(step_dir):
+    import shutil
+
+    for p in step_dir.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+@pytest.mark.parametrize(
+    'corrupt',
+    [_truncate_arrays, lambda d: (d / 'meta' / 'metadata').unlink(), _empty],
+    ids=['truncated', 'no_metadata', 'emptied'],
+)
+def test_corrupt_latest_step_falls_back_to_the_previous_one(
+    tmp_path, finished_run, corrupt, caplog
+):
+    import shutil
+
+    full_dir, full = finished_run
+    work = tmp_path / 'w'
+    shutil.copytree(full_dir, work)
+    assert steps_in(work) == [8, 12]
+    corrupt(work / 'checkpoints' / '12')
+    config = short_config()
+    with caplog.at_level('WARNING'):
+        again = pretrain(config, str(work), data=markov_data(config))
+    assert 'checkpoint step 12' in caplog.text and 'cannot be read' in caplog.text
+    assert again['step'] == 12 and again['eval'] == full['eval']
+    want, _ = params_of(full_dir)
+    got, _ = params_of(work)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved = list((work / 'checkpoints_broken').iterdir())  # kept, never deleted
+    assert [p.name.split('.')[0] for p in moved] == ['12']
+
+
+def test_resume_with_changed_result_fields_fails_naming_them(tmp_path, finished_run):
+    import shutil
+
+    from specjax.workdir import ConfigMismatch, config_hash
+
+    workdir, _ = finished_run
+    recorded = json.loads((workdir / 'results.json').read_text())
+    assert recorded['config']['seed'] == 0 and recorded['config_hash'] == config_hash(
+        short_config()
+    )
+    before = _snapshot(workdir)
+    for change, field in (({'seed': 1}, 'seed'), ({'train.steps': 10}, 'train.steps')):
+        config = short_config()
+        config.update_from_flattened_dict(change)
+        with pytest.raises(ConfigMismatch, match=rf"\['{field}'\].*allow_config_change"):
+            pretrain(config, str(workdir), data=markov_data(config))
+    assert _snapshot(workdir) == before
+    # Intervals that do not change the result are not checked.
+    config = short_config(log_every=3, eval_every=5, keep_checkpoints=3)
+    assert config_hash(config) == recorded['config_hash']
+    # A deliberate extension: more steps with the override.
+    work = tmp_path / 'extended'
+    shutil.copytree(workdir, work)
+    config = short_config(steps=14, allow_config_change=True)
+    assert pretrain(config, str(work), data=markov_data(config))['step'] == 14

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import workdir as workdir_lib
 from specjax.checkpoint import abstract_with_shardings
 from specjax.distill.config import validate_common
 from specjax.distill.evaluation import Evaluator
@@ -160,8 +161,14 @@ def build_cotrain(config, data: DistillData):
 
 
 def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
-    """Co-trains config.model (target) and config.draft from scratch in `workdir`."""
+    """Co-trains config.model (target) and config.draft from scratch in `workdir` (locked)."""
     validate_common(config, 'cotrain', COTRAIN_SECTIONS)
+    with workdir_lib.hold(workdir, 'cotrain'):
+        workdir_lib.check_results_owner(workdir, 'cotrain')
+        return _run_cotrain(config, workdir, data, on_step)
+
+
+def _run_cotrain(config, workdir, data, on_step) -> dict:
     data = load_data(config) if data is None else data
     task, parts = build_cotrain(config, data)
     result = run_loop(task, workdir, config.train, on_step=on_step)
@@ -176,4 +183,4 @@ def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_ste
             'num_params_target': parts['target_cfg'].num_params,
         },
     )
-    return finish_results(workdir, results)
+    return finish_results(workdir, results, config)

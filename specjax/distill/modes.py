@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from specjax import workdir as workdir_lib
 from specjax.distill import sources
 from specjax.distill.config import validate_common
 from specjax.distill.evaluation import Evaluator
@@ -22,13 +23,12 @@ from specjax.distill.steps import (
     jit_distill_step,
     step_batch,
 )
-from specjax.distill.teacher import Teacher, check_compatible, load_teacher
+from specjax.distill.teacher import Teacher, check_compatible, load_teacher, precheck
 from specjax.models import TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh, param_shardings
 from specjax.sampling import SamplingConfig
 from specjax.train.loop import LoopResult, Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
-from specjax.train.pretrain import write_results
 from specjax.train.state import plan_train_state
 
 DISTILL_SECTIONS = ('mode', 'seed', 'draft', 'data', 'train', 'sampling', 'mesh', 'distill')
@@ -253,11 +253,12 @@ def collect_results(
     return out
 
 
-def finish_results(workdir, results) -> dict:
+def finish_results(workdir, results, config) -> dict:
+    """Writes results.json (process 0; not when preempted) and prints the headline metrics."""
     if results['preempted']:
         return results
-    path = write_results(workdir, results)
     if jax.process_index() == 0:
+        path = workdir_lib.write_results(workdir, config.mode, results, config)
         keys = [k for k in HEADLINE_METRICS if k in results]
         print('  '.join(f'{k} {results[k]:.4f}' for k in keys), flush=True)
         print(f'results: {path}', flush=True)
@@ -268,8 +269,16 @@ def run_distill(config, workdir: str, *, data: DistillData | None = None, on_ste
     """Distills a draft from the frozen target at config.distill.teacher_workdir into `workdir`.
 
     Resumes from <workdir>/checkpoints; returns the results dict (also <workdir>/results.json).
+    Holds the workdir lock for the whole run.
     """
-    validate_common(config, 'distill', DISTILL_SECTIONS)
+    draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
+    precheck(config, draft_cfg)  # before the tokenizer is built (SentencePiece may train)
+    with workdir_lib.hold(workdir, 'distill'):
+        workdir_lib.check_results_owner(workdir, 'distill')
+        return _run_distill(config, workdir, data, on_step)
+
+
+def _run_distill(config, workdir, data, on_step) -> dict:
     data = load_data(config) if data is None else data
     task, parts = build_distill(config, data)
     result = run_loop(task, workdir, config.train, on_step=on_step)
@@ -287,4 +296,4 @@ def run_distill(config, workdir: str, *, data: DistillData | None = None, on_ste
             'num_params_target': teacher.config.num_params,
         },
     )
-    return finish_results(workdir, results)
+    return finish_results(workdir, results, config)

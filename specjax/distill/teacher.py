@@ -99,6 +99,43 @@ def _check_shapes(params, meta, workdir, step) -> None:
         )
 
 
+def precheck(config, draft_cfg: TransformerConfig) -> None:
+    """Vocabulary / tokenizer checks from the teacher's metadata alone, before any data work.
+
+    Runs before the tokenizer is built (a SentencePiece model may otherwise be trained first):
+    config.draft.vocab_size must equal the teacher's, and config.data.tokenizer (and, for
+    SentencePiece, config.data.vocab_size) must match the teacher's tokenizer identity.
+    """
+    d = config.distill
+    workdir = os.path.abspath(os.path.expanduser(d.teacher_workdir))
+    step = teacher_step(workdir, int(d.teacher_step))
+    ckpts = Checkpoints(workdir, read_only=True)
+    try:
+        meta = ckpts.metadata(step)
+    finally:
+        ckpts.close()
+    t_vocab = meta.get('model_config', {}).get('vocab_size')
+    if t_vocab is not None and draft_cfg.vocab_size != t_vocab:
+        raise ValueError(
+            f"config.draft.vocab_size={draft_cfg.vocab_size} differs from the teacher's "
+            f'vocab_size={t_vocab} (config.distill.teacher_workdir={workdir!r} step {step}): '
+            'draft and target must share a vocabulary'
+        )
+    tok = meta.get('tokenizer') or {}
+    kind = config.data.get('tokenizer')
+    if tok.get('kind') and kind != tok['kind']:
+        raise ValueError(
+            f"config.data.tokenizer={kind!r} differs from the teacher's {tok['kind']!r} "
+            f'(config.distill.teacher_workdir={workdir!r})'
+        )
+    data_vocab = config.data.get('vocab_size')
+    if kind == 'sentencepiece' and tok.get('vocab_size') not in (None, data_vocab):
+        raise ValueError(
+            f"config.data.vocab_size={data_vocab!r} differs from the teacher's tokenizer "
+            f'vocab_size={tok["vocab_size"]} (config.distill.teacher_workdir={workdir!r})'
+        )
+
+
 def check_compatible(teacher: Teacher, draft_cfg: TransformerConfig, tokenizer: dict) -> None:
     """The draft must share the teacher's tokenizer and vocabulary (clear error otherwise)."""
     if teacher.metadata['tokenizer'] != tokenizer:

@@ -81,8 +81,11 @@ def lookup(results: dict, key: str):
 
 
 def numeric_keys(results: dict, prefix: str = '') -> list[str]:
+    """Dotted keys of every number in `results` (the recorded top-level 'config' excluded)."""
     keys = []
     for k, v in results.items():
+        if not prefix and k == 'config':
+            continue
         if isinstance(v, dict):
             keys += numeric_keys(v, f'{prefix}{k}.')
         elif isinstance(v, int | float) and not isinstance(v, bool):

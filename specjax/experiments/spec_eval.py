@@ -10,7 +10,8 @@ optimal k, and peak memory. alpha is measured from logits on the target's own au
 samples of the same prompts (the distribution speculative decoding reproduces).
 
 Entry point: `run(config, workdir)` (mode 'spec_eval'); writes <workdir>/spec_eval.json and
-<workdir>/results.json.
+<workdir>/results.json, holding the workdir lock, and refuses (before loading anything) a workdir
+whose results were written by another mode (e.g. a training workdir).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import jax
 import numpy as np
 
+from specjax import workdir as workdir_lib
 from specjax.data import build_tokenizer
 from specjax.experiments import measure, report
 from specjax.experiments.pairs import load_models
@@ -48,6 +50,13 @@ def _check_eval(ev) -> tuple[list[SamplingConfig], tuple[int, ...]]:
     if not ks or min(ks) < 1:
         raise ValueError(f'config.eval.ks must be positive ints, got {ev.ks!r}')
     samplings = []
+    if not isinstance(ev.samplings, tuple | list) or not all(
+        isinstance(s, tuple | list) for s in ev.samplings
+    ):
+        raise ValueError(
+            'config.eval.samplings must be a tuple of (temperature, top_k, top_p) tuples, got '
+            f'{ev.samplings!r} (one setting needs a trailing comma: ((0.0, 0, 1.0),))'
+        )
     for s in ev.samplings:
         if len(s) != 3:
             raise ValueError(
@@ -57,6 +66,48 @@ def _check_eval(ev) -> tuple[list[SamplingConfig], tuple[int, ...]]:
     if not samplings:
         raise ValueError('config.eval.samplings is empty')
     return samplings, ks
+
+
+def model_max_lens(config) -> dict[str, tuple[int, str]]:
+    """{'target'|'draft': (max_len, where it comes from)}, read from configs or checkpoint metadata
+    (no weights loaded)."""
+    if config.random_init:
+        return {
+            'target': (int(config.model.max_len), 'config.model.max_len'),
+            'draft': (int(config.draft.max_len), 'config.draft.max_len'),
+        }
+    from specjax.checkpoint import Checkpoints
+
+    out = {}
+    for name, field, key in (
+        ('target', 'target_workdir', 'model_config'),
+        ('draft', 'draft_workdir', config.draft_config_key),
+    ):
+        if not config.get(field):
+            raise ValueError(f'config.{field} is empty; set it or config.random_init=True')
+        ckpts = Checkpoints(config[field], read_only=True)
+        try:
+            meta = ckpts.metadata()
+        finally:
+            ckpts.close()
+        if key not in meta:
+            raise ValueError(f'config.{field}={config[field]!r}: its checkpoint has no {key!r}')
+        out[name] = (int(meta[key]['max_len']), f'the {name} checkpoint in config.{field}')
+    return out
+
+
+def check_lengths(ev, ks, max_lens: dict[str, tuple[int, str]]) -> None:
+    """ValueError with the arithmetic if a KV cache would not fit a model's max_len."""
+    need = int(ev.prompt_len_max) + int(ev.max_new_tokens) + max(ks) + 1
+    for name, (max_len, where) in max_lens.items():
+        if need > max_len:
+            room = max_len - int(ev.prompt_len_max) - max(ks) - 1
+            raise ValueError(
+                f'config.eval.prompt_len_max ({ev.prompt_len_max}) + config.eval.max_new_tokens '
+                f'({ev.max_new_tokens}) + max(config.eval.ks) ({max(ks)}) + 1 = {need} positions, '
+                f'above the {name} max_len={max_len} ({where}); e.g. '
+                f'--config.eval.max_new_tokens={max(room, 0)} or a smaller prompt_len_max / ks'
+            )
 
 
 def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed: int):
@@ -231,6 +282,14 @@ def run(config, workdir: str) -> dict:
     started = time.perf_counter()
     ev = config.eval
     samplings, ks = _check_eval(ev)
+    check_lengths(ev, ks, model_max_lens(config))
+    with workdir_lib.hold(workdir, 'spec_eval'):
+        for name in ('results.json', 'spec_eval.json'):
+            workdir_lib.check_results_owner(workdir, 'spec_eval', name)
+        return _run(config, workdir, ev, samplings, ks, started)
+
+
+def _run(config, workdir, ev, samplings, ks, started) -> dict:
     tok = build_tokenizer(config.data)
     mesh = make_mesh(config.mesh)
     target, draft, model_info = load_models(config, tok, mesh)
@@ -280,7 +339,9 @@ def run(config, workdir: str) -> dict:
             buckets[name] += entries
 
     result = {
+        'mode': 'spec_eval',
         'config': config.to_dict(),
+        'config_hash': workdir_lib.config_hash(config),
         'models': model_info,
         'tokenizer': tok.identity(),
         'prompts': {
@@ -302,7 +363,7 @@ def run(config, workdir: str) -> dict:
     }
     os.makedirs(workdir, exist_ok=True)
     report.write_json(os.path.join(workdir, 'spec_eval.json'), result)
-    report.write_json(os.path.join(workdir, 'results.json'), headline(result))
+    workdir_lib.write_results(workdir, 'spec_eval', headline(result), config, keep_previous=False)
     print(table_markdown(result), flush=True)
     return result
 

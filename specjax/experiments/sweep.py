@@ -11,6 +11,16 @@ to again; a finished point recorded with other settings stops the sweep before a
 failing point is logged and the sweep goes on; prerequisites must succeed. After each point
 DIR/summary.{md,csv,json} are rewritten, plots go to DIR/plots/ at the end, and the call raises
 SweepFailed (after writing them) if any point failed.
+
+Processes: the sweep holds DIR's workdir lock (and each point its own). Each point runs in its
+own process group (start_new_session) with SPECJAX_RUNNER_PID in its environment, which makes
+specjax.main ask Linux for SIGTERM when the runner dies (workdir.die_with_runner:
+prctl(PR_SET_PDEATHSIG)), so even `kill -9` of the runner leaves no point behind. SIGTERM or
+SIGINT to the runner is forwarded to the running point's group (a second one sends SIGKILL); the
+point is marked 'interrupted' and the runner stops: on SIGTERM it returns {'preempted': True}
+(specjax.main then exits with PREEMPTED_EXIT_CODE), on SIGINT it raises KeyboardInterrupt. A
+point found 'running' on restart whose runner is gone is reported and run again; its workdir
+resumes from its own checkpoints.
 """
 
 from __future__ import annotations
@@ -21,13 +31,17 @@ import json
 import os
 import resource
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 import ml_collections
 
+from specjax import workdir as workdir_lib
 from specjax.experiments import aggregate
 from specjax.experiments.sweep_spec import (
     LOG_FILE,
@@ -99,22 +113,74 @@ def command(run: Run, workdir: str, entry: tuple[str, ...] = ENTRY) -> tuple:
     )
 
 
+class _Children:
+    """The running point's process, for signal forwarding; what the runner was asked to do."""
+
+    process: subprocess.Popen | None = None
+    stop_signal: int | None = None
+
+
+def _kill_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def subprocess_launcher(launch: Launch) -> int:
-    """Runs launch.argv with output appended to launch.log_path; returns the exit status."""
+    """Runs launch.argv in its own process group, output appended to launch.log_path.
+
+    Returns the exit status (negative: killed by that signal). On timeout the whole group is
+    killed.
+    """
     with open(launch.log_path, 'a') as log:
+        process = subprocess.Popen(
+            launch.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=launch.env,
+            start_new_session=True,
+        )
+        _Children.process = process
         try:
-            return subprocess.run(
-                launch.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=launch.env,
-                timeout=launch.timeout_s,
-                check=False,
-            ).returncode
+            return process.wait(timeout=launch.timeout_s)
         except subprocess.TimeoutExpired:
+            _kill_group(process, signal.SIGKILL)
+            process.wait()
             log.write(f'\n[sweep] killed after {launch.timeout_s} s (point_timeout_s)\n')
             return -9
+        finally:
+            if process.poll() is None:  # the runner is unwinding (an exception): take it along
+                _kill_group(process, signal.SIGKILL)
+                process.wait()
+            _Children.process = None
+
+
+def _forward(signum, frame):
+    """SIGTERM / SIGINT handler of the runner: pass it to the point's group (twice: SIGKILL)."""
+    again = _Children.stop_signal is not None
+    _Children.stop_signal = _Children.stop_signal or signum
+    process = _Children.process
+    if process is not None:
+        _kill_group(process, signal.SIGKILL if again else signum)
+    print(f'[sweep] got signal {signum}: stopping after the running point', flush=True)
+
+
+class _Forwarding:
+    """Installs _forward for SIGTERM and SIGINT while the sweep runs (main thread only)."""
+
+    def __enter__(self):
+        _Children.stop_signal = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, _forward)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def is_complete(workdir: str, run: Run) -> bool:
@@ -175,7 +241,7 @@ def move_aside(plan: SweepPlan, moved: list[tuple[str, str]]) -> None:
 
 
 def _environment(plan: SweepPlan, sweep) -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ, **{workdir_lib.RUNNER_PID_ENV: str(os.getpid())})
     if sweep.compilation_cache and 'JAX_COMPILATION_CACHE_DIR' not in env:
         env['JAX_COMPILATION_CACHE_DIR'] = os.path.join(plan.workdir, 'jax_cache')
         env.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.1')
@@ -188,6 +254,15 @@ def execute(plan: SweepPlan, run: Run, launcher: Launcher, env: dict, timeout_s,
     if is_complete(wd, run):
         print(f'[sweep] {run.kind} {run.name}: finished earlier, skipped', flush=True)
         return True
+    previous = read_status(wd) or {}
+    if previous.get('status') == 'running':
+        runner = previous.get('runner', {})
+        print(
+            f'[sweep] {run.kind} {run.name}: left running by runner pid {runner.get("pid")} on '
+            f'{runner.get("host")!r} (started {previous.get("started")}), which is gone; '
+            'running it again (it resumes from its checkpoints)',
+            flush=True,
+        )
     os.makedirs(wd, exist_ok=True)
     argv = command(run, wd, entry)
     log_path = os.path.join(wd, LOG_FILE)
@@ -202,6 +277,7 @@ def execute(plan: SweepPlan, run: Run, launcher: Launcher, env: dict, timeout_s,
         'log': LOG_FILE,
         'status': 'running',
         'started': _now(),
+        'runner': {'host': socket.gethostname(), 'pid': os.getpid()},
     }
     _write_json(os.path.join(wd, STATUS_FILE), record)
     with open(log_path, 'a') as log:
@@ -215,6 +291,12 @@ def execute(plan: SweepPlan, run: Run, launcher: Launcher, env: dict, timeout_s,
     record['finished'] = _now()
     results_path = os.path.join(wd, RESULTS_FILE)
     error = None
+    if _Children.stop_signal is not None and returncode != 0:
+        record['status'] = 'interrupted'
+        record['error'] = f'runner got signal {_Children.stop_signal}; exit status {returncode}'
+        _write_json(os.path.join(wd, STATUS_FILE), record)
+        print(f'[sweep] {run.kind} {run.name}: interrupted ({record["error"]})', flush=True)
+        return False
     if returncode != 0:
         error = f'exit status {returncode}'
     elif run.kind == 'point':
@@ -266,18 +348,42 @@ def run(
         return {}
     launcher = launcher or subprocess_launcher
     os.makedirs(plan.workdir, exist_ok=True)
+    with workdir_lib.hold(plan.workdir, 'sweep'), _Forwarding():
+        return _run(plan, sweep, moved, launcher, entry)
+
+
+def _stopped(plan, sweep) -> dict | None:
+    """After a forwarded signal: the partial summary; SIGINT re-raises KeyboardInterrupt."""
+    sig = _Children.stop_signal
+    if sig is None:
+        return None
+    summary = aggregate.write_summary(plan, sweep)
+    print(f'[sweep] stopped by signal {sig}; rerun the same command to continue', flush=True)
+    if sig == signal.SIGINT:
+        raise KeyboardInterrupt
+    return dict(summary, preempted=True)
+
+
+def _run(plan, sweep, moved, launcher, entry) -> dict:
     move_aside(plan, moved)
     env = _environment(plan, sweep)
     timeout_s = float(sweep.point_timeout_s) or None
     start = time.perf_counter()
     for prereq in plan.prereqs:
-        if not execute(plan, prereq, launcher, env, timeout_s, entry):
+        ok = execute(plan, prereq, launcher, env, timeout_s, entry)
+        stopped = _stopped(plan, sweep)
+        if stopped is not None:
+            return stopped
+        if not ok:
             raise SweepFailed(f'Prerequisite {prereq.name} failed; see {point_dir(plan, prereq)}')
     failed = []
     for i, point in enumerate(plan.points):
         print(f'[sweep] point {i + 1}/{len(plan.points)}', flush=True)
         if not execute(plan, point, launcher, env, timeout_s, entry):
             failed.append(point.name)
+        stopped = _stopped(plan, sweep)
+        if stopped is not None:
+            return stopped
         summary = aggregate.write_summary(plan, sweep)
     from specjax.experiments import plots  # matplotlib only where plots are made
 

@@ -24,6 +24,7 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 500  # steps between checkpoints (the final step is always saved)
     c.keep_checkpoints = 3  # most recent checkpoints kept in <workdir>/checkpoints
     c.async_checkpointing = True  # write checkpoints in a background thread
+    c.allow_config_change = False  # resume although result-changing fields differ (more steps)
     return c
 
 
@@ -60,6 +61,11 @@ def validate_train_config(train) -> None:
     if not isinstance(train.warmup_steps, int) or train.warmup_steps < 0:
         raise ValueError(
             f'config.train.warmup_steps must be an int >= 0, got {train.warmup_steps!r}'
+        )
+    if not isinstance(train.allow_config_change, bool):
+        raise ValueError(
+            f'config.train.allow_config_change must be True or False, got '
+            f'{train.allow_config_change!r}'
         )
     if not train.lr > 0:
         raise ValueError(f'config.train.lr must be > 0, got {train.lr!r}')

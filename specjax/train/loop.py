@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from specjax import workdir as workdir_lib
 from specjax.checkpoint import Checkpoints
 from specjax.train.metrics import MetricsWriter, Progress, format_progress, log
 
@@ -118,24 +119,58 @@ class _TrainMetrics:
         return out
 
 
+def resume(ckpts: Checkpoints, task: Task, train_cfg):
+    """(step, state, data_state) of the newest intact checkpoint, or None if there is none.
+
+    Checks the identity and the result-changing config fields (workdir.check_config_change)
+    before reading arrays; unreadable newer steps are skipped with a warning and moved to
+    <workdir>/checkpoints_broken/ so their step numbers can be saved again.
+    """
+    if ckpts.latest_step() is None:
+        return None
+    config = task.metadata.get('config')
+
+    def read(step):
+        ckpts.check_identity(task.identity, step)
+        saved = ckpts.metadata(step).get('config')
+        if config is not None and isinstance(saved, dict):  # (older checkpoints: YAML text)
+            workdir_lib.check_config_change(
+                saved,
+                config,
+                allow=bool(train_cfg.get('allow_config_change', False)),
+                where=f'{ckpts.directory} (step {step})',
+            )
+        return ckpts.restore(task.abstract_state, step)
+
+    step, (state, data_state, _) = ckpts.newest_readable(read)
+    if ckpts.skipped:
+        log(f'resuming from step {step}: newer step(s) {[s for s, _ in ckpts.skipped]} unreadable')
+        ckpts.move_aside([s for s, _ in ckpts.skipped])
+    return step, state, data_state
+
+
 def run_loop(task: Task, workdir: str, train_cfg, *, on_step: Callable | None = None):
     """Trains `task` to train_cfg.steps, resuming from <workdir>/checkpoints if present.
 
-    Saves every checkpoint_every steps and at the end; on SIGTERM saves at the next step
-    boundary, waits for the write and returns with preempted=True. A non-finite loss raises
-    NonFiniteLossError (the last good checkpoint is left intact). on_step(step, state) is called
-    after each step (tests, custom hooks). Returns a LoopResult.
+    Holds the workdir lock. Saves every checkpoint_every steps and at the end; on SIGTERM saves
+    at the next step boundary, waits for the write and returns with preempted=True. A non-finite
+    loss raises NonFiniteLossError (the last good checkpoint is left intact). on_step(step,
+    state) is called after each step (tests, custom hooks). Returns a LoopResult.
     """
+    with workdir_lib.hold(workdir, task.mode):
+        return _run_loop(task, workdir, train_cfg, on_step)
+
+
+def _run_loop(task: Task, workdir: str, train_cfg, on_step):
     total = int(train_cfg.steps)
     ckpts = Checkpoints(
         workdir, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpointing
     )
     writer = None
     try:
-        start = ckpts.latest_step()
-        if start is not None:
-            ckpts.check_identity(task.identity, start)
-            state, data_state, _ = ckpts.restore(task.abstract_state, start)
+        resumed = resume(ckpts, task, train_cfg)
+        if resumed is not None:
+            start, state, data_state = resumed
             task.batches.set_state(data_state)
             log(f'resumed from {ckpts.directory} step {start}')
         else:

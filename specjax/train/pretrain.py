@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
 import jax
 import numpy as np
 
+from specjax import workdir as workdir_lib
 from specjax.data import default_data_config
 from specjax.models import TransformerConfig
 from specjax.parallel import batch_sharding, logical_to_spec, make_mesh
@@ -187,29 +186,20 @@ def build_task(config, data: PretrainData) -> tuple[Task, TransformerConfig]:
     return task, model_cfg
 
 
-def write_results(workdir: str, results: dict) -> str:
-    """Writes <workdir>/results.json; an older one is kept as results.step<N>.json, not lost."""
-    path = os.path.join(workdir, 'results.json')
-    if os.path.exists(path):
-        with open(path) as f:
-            old_step = json.load(f).get('step', 'unknown')
-        backup = os.path.join(workdir, f'results.step{old_step}.json')
-        if not os.path.exists(backup):
-            os.replace(path, backup)
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(results, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-    return path
-
-
 def pretrain(config, workdir: str, *, data: PretrainData | None = None, on_step=None) -> dict:
     """Trains a target model per `config` in `workdir` (resuming if it has checkpoints).
 
     Returns the results dict (also <workdir>/results.json unless preempted): validation loss and
-    perplexity (overall and per domain), the corpus baselines, the checkpoint location.
+    perplexity (overall and per domain), the corpus baselines, the checkpoint location, the
+    config and its hash. Holds the workdir lock for the whole run.
     """
     validate_config(config)
+    with workdir_lib.hold(workdir, 'pretrain'):
+        return _pretrain(config, workdir, data, on_step)
+
+
+def _pretrain(config, workdir, data, on_step) -> dict:
+    workdir_lib.check_results_owner(workdir, 'pretrain')
     if data is None:
         data = load_data(config, num_eval_batches=config.train.eval_batches)
     task, model_cfg = build_task(config, data)
@@ -231,7 +221,9 @@ def pretrain(config, workdir: str, *, data: PretrainData | None = None, on_step=
                 flush=True,
             )
         return results
-    path = write_results(workdir, results) if jax.process_index() == 0 else None
+    path = None
+    if jax.process_index() == 0:
+        path = workdir_lib.write_results(workdir, 'pretrain', results, config)
     val = result.eval.get('loss', float('nan'))
     lines = [f'validation loss {val:.4f} nats (perplexity {math.exp(min(val, 700)):.2f})']
     for name, value in data.baselines.items():

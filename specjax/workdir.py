@@ -1,0 +1,280 @@
+"""What keeps a workdir consistent: one writer at a time, results owned by one mode, no drift.
+
+- `hold(workdir, mode)`: an advisory lock (fcntl.flock on <workdir>/.lock) held for a whole run,
+  naming the holder (host, pid, start time, command). A second run fails at once with
+  WorkdirBusy naming the holder. The kernel drops a flock when its process dies, so a lock file
+  whose holder is gone is simply taken over (with a warning naming the old holder). Only
+  process 0 of a multi-process run locks; re-entering from the same process is allowed.
+- `write_results(workdir, mode, results, config)`: results.json carries `mode`, the resolved
+  `config` and its `config_hash`; a results.json written by another mode is never replaced.
+- `config_changes(saved, current)`: the result-changing fields that differ between two configs;
+  IGNORED_CONFIG_FIELDS lists the ones that do not change a result (logging, checkpoint
+  cadence, the mesh, paths of inputs whose identity is checked separately).
+- `die_with_runner()`: a sweep point asks the kernel for SIGTERM when its runner dies.
+- PREEMPTED_EXIT_CODE: the exit status of a run that stopped on SIGTERM after committing its
+  checkpoint (launchers restart on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from absl import logging
+
+LOCK_FILE = '.lock'
+RESULTS_FILE = 'results.json'
+PREEMPTED_EXIT_CODE = 42  # SIGTERM -> checkpoint committed -> exit 42; rerun to resume
+
+RUNNER_PID_ENV = 'SPECJAX_RUNNER_PID'  # set by the sweep runner for its points
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+# Config fields that never change what a run computes, by dotted prefix. Everything else (seed,
+# steps, model, data, distillation settings, optimizer, eval sizes ...) is compared on resume.
+IGNORED_CONFIG_FIELDS = (
+    'train.log_every',  # progress lines / metrics.jsonl rows
+    'train.eval_every',  # intermediate validation passes (the final one always runs)
+    'train.checkpoint_every',  # resume is bit-identical whatever the cadence
+    'train.keep_checkpoints',
+    'train.async_checkpointing',
+    'train.allow_config_change',  # the override itself
+    'mesh',  # same math on another topology (a resumed pod job may get another slice)
+    'distill.teacher_workdir',  # the teacher's identity (config + step) is checked instead
+    'data.data_dir',  # the corpus and tokenizer identities are checked instead
+    'sweep.dry_run',
+)
+
+
+class ConfigMismatch(ValueError):
+    """A run's settings differ from those recorded in its workdir (a checkpoint or results)."""
+
+
+class WorkdirBusy(RuntimeError):
+    """Another live process holds the workdir's lock."""
+
+
+_held: dict[str, list] = {}  # realpath -> [open lock file, depth] of locks held by this process
+
+
+def _is_local(workdir: str) -> bool:
+    return '://' not in workdir
+
+
+def _process_index() -> int:
+    if 'jax' not in sys.modules:
+        return 0
+    import jax
+
+    return jax.process_index()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _describe(holder: dict) -> str:
+    return (
+        f'host {holder.get("host")!r} pid {holder.get("pid")} (mode {holder.get("mode")!r}, '
+        f'started {holder.get("started")}, command {holder.get("command")!r})'
+    )
+
+
+def read_holder(workdir: str) -> dict:
+    """The JSON the last holder wrote into <workdir>/.lock ({} if none or unreadable)."""
+    try:
+        with open(os.path.join(workdir, LOCK_FILE)) as f:
+            text = f.read()
+        return json.loads(text) if text.strip() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+@contextlib.contextmanager
+def hold(workdir: str, mode: str):
+    """Holds <workdir>/.lock for the duration; WorkdirBusy (naming the holder) if taken.
+
+    No-op on processes other than 0 and on non-local (gs://) workdirs, which flock cannot lock.
+    """
+    if _process_index() != 0 or not _is_local(workdir):
+        yield
+        return
+    os.makedirs(workdir, exist_ok=True)
+    key = os.path.realpath(workdir)
+    if key in _held:
+        _held[key][1] += 1
+        try:
+            yield
+        finally:
+            _held[key][1] -= 1
+        return
+    f = open(os.path.join(key, LOCK_FILE), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.close()
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        raise WorkdirBusy(
+            f'workdir {key} is in use by {_describe(read_holder(key))}; wait for it to finish, '
+            'stop it, or use another --workdir'
+        ) from None
+    previous = read_holder(key)
+    if previous:
+        alive = previous.get('host') == socket.gethostname() and _pid_alive(previous.get('pid', 0))
+        note = ' (that pid is now another process)' if alive else ''
+        logging.warning(
+            'workdir %s: took over the lock left by %s, which has ended%s',
+            key,
+            _describe(previous),
+            note,
+        )
+    f.seek(0)
+    f.truncate()
+    me = {
+        'host': socket.gethostname(),
+        'pid': os.getpid(),
+        'mode': mode,
+        'started': datetime.datetime.now().isoformat(timespec='seconds'),
+        'command': ' '.join(sys.argv),
+    }
+    f.write(json.dumps(me))
+    f.flush()
+    _held[key] = [f, 1]
+    try:
+        yield
+    finally:
+        del _held[key]
+        f.seek(0)
+        f.truncate()
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def die_with_runner() -> None:
+    """If $SPECJAX_RUNNER_PID names our parent: SIGTERM us when it dies (Linux prctl).
+
+    Done in the child at start-up rather than in a preexec_fn (fork in a threaded runner is
+    unsafe). If the runner is already gone (re-parented), exit at once.
+    """
+    runner = os.environ.get(RUNNER_PID_ENV)
+    if not runner or not sys.platform.startswith('linux'):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(runner):
+        sys.exit(f'sweep runner pid {runner} is gone; not starting')
+
+
+def _flatten(tree, prefix: str = '') -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f'{prefix}{key}.'))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _ignored(field: str) -> bool:
+    return any(field == p or field.startswith(p + '.') for p in IGNORED_CONFIG_FIELDS)
+
+
+def relevant_config(config) -> dict[str, Any]:
+    """Dotted field -> JSON value of every result-changing field of `config`."""
+    from specjax.checkpoint import to_json
+
+    return {k: v for k, v in _flatten(to_json(config)).items() if not _ignored(k)}
+
+
+def config_hash(config) -> str:
+    """sha256 of the result-changing fields (two configs with one hash compute the same)."""
+    text = json.dumps(relevant_config(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_changes(saved, current) -> list[tuple[str, Any, Any]]:
+    """(field, saved value, current value) for every result-changing field that differs."""
+    a, b = relevant_config(saved), relevant_config(current)
+    missing = object()
+    out = []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, missing), b.get(key, missing)
+        if old != new:
+            out.append((key, None if old is missing else old, None if new is missing else new))
+    return out
+
+
+def check_config_change(saved, current, *, allow: bool, where: str) -> None:
+    """ConfigMismatch naming the changed fields unless `allow` (then a warning lists them)."""
+    changes = config_changes(saved, current)
+    if not changes:
+        return
+    text = ', '.join(f'{k}: {old!r} -> {new!r}' for k, old, new in changes)
+    if allow:
+        logging.warning('%s: continuing with a changed config (allowed): %s', where, text)
+        return
+    raise ConfigMismatch(
+        f'config differs from the run recorded in {where} in result-changing field(s) '
+        f'{[k for k, _, _ in changes]}: {text}. Use a new --workdir, the original settings, or '
+        '--config.train.allow_config_change=True to extend the run deliberately (e.g. more steps)'
+    )
+
+
+def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> None:
+    """ValueError if <workdir>/<name> exists and was written by another mode (or by hand)."""
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            owner = json.load(f).get('mode')
+    except (OSError, json.JSONDecodeError, AttributeError):
+        owner = None
+    if owner != mode:
+        raise ValueError(
+            f'{path} was written by mode {owner!r}, not {mode!r}; it is never replaced. '
+            f'Give the {mode} run its own --workdir'
+        )
+
+
+def write_results(
+    workdir: str, mode: str, results: dict, config, name: str = RESULTS_FILE, keep_previous=True
+):
+    """Writes <workdir>/<name> with mode, config and config_hash; returns its path.
+
+    Refuses (ValueError) to replace a file another mode wrote. With keep_previous, an older file
+    of this mode is kept as <stem>.step<N>.json (N its 'step'), once, so a rerun never loses the
+    first result.
+    """
+    from specjax.checkpoint import to_json
+
+    check_results_owner(workdir, mode, name)
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, name)
+    if keep_previous and os.path.exists(path):
+        with open(path) as f:
+            old_step = json.load(f).get('step', 'unknown')
+        stem = name[: -len('.json')] if name.endswith('.json') else name
+        backup = os.path.join(workdir, f'{stem}.step{old_step}.json')
+        if not os.path.exists(backup):
+            os.replace(path, backup)
+    out = dict(results, mode=mode, config=to_json(config), config_hash=config_hash(config))
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(out, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+    return path
