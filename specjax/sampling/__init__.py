@@ -1,5 +1,6 @@
 """Sampling: logits transforms, autoregressive and speculative samplers, acceptance statistics."""
 
+from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_acceptance
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
 from specjax.sampling.common import PAD_ID, SampleOutput, check_same_tokenizer
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
@@ -12,6 +13,10 @@ from specjax.sampling.transforms import (
 from specjax.sampling.verify import residual, verify, verify_greedy
 
 __all__ = [
+    'EXACT_RULES',
+    'RULES',
+    'Acceptance',
+    'as_acceptance',
     'PAD_ID',
     'SampleOutput',
     'SamplingConfig',
