@@ -10,6 +10,8 @@ from specjax.sampling.transforms import (
     sample_from_probs,
     transform_logits,
 )
+from specjax.sampling.tree import chain, check_tree
+from specjax.sampling.tree_speculative import make_tree_speculative_fn, tree_speculative_sample
 from specjax.sampling.verify import residual, verify, verify_greedy
 
 __all__ = [
@@ -21,6 +23,10 @@ __all__ = [
     'SampleOutput',
     'SamplingConfig',
     'autoregressive_sample',
+    'chain',
+    'check_tree',
+    'make_tree_speculative_fn',
+    'tree_speculative_sample',
     'check_same_tokenizer',
     'inverse_cdf',
     'make_autoregressive_fn',
