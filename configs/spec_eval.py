@@ -79,6 +79,10 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.eval.samplings = ((0.0, 0, 1.0), (1.0, 0, 1.0))  # (temperature, top_k, top_p) grid
     c.eval.prompt_len_edges = (24, 40)  # prompt-length bucket edges
     c.eval.gen_len_edges = (16, 64)  # generated-length bucket edges
+    c.eval.acceptance = 'probabilistic'  # probabilistic|argmax_draft|strict|lenient|typical
+    c.eval.acceptance_params = ml_collections.ConfigDict(
+        dict(lenience=0.5, typical_threshold=0.09, typical_alpha=0.3)
+    )  # lenient: eps in (0, 1]; typical: Medusa's threshold and alpha (lossy rules only)
     c.eval.timing_repeats = 3  # timed passes per point, round-robin over points (median)
     c.eval.calibration_iters = 16  # cached calls per timed loop (calibrate)
     c.eval.calibration_repeats = 5  # timed repeats; medians of ratios

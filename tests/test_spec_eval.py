@@ -152,3 +152,15 @@ def test_identity_and_vocab_mismatches_raise(toy_dir, tmp_path):
     c.eval.ks = (0, 2)
     with pytest.raises(ValueError, match='config.eval.ks'):
         spec_eval.run(c, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    'rule, params, match',
+    [('nope', {}, 'acceptance rule must be one of'), ('lenient', {'lenience': 2.0}, 'lenience')],
+)
+def test_bad_acceptance_config_raises_before_compiling(toy_dir, rule, params, match):
+    c = _tiny_config(toy_dir)
+    c.eval.acceptance = rule
+    c.eval.acceptance_params.update(params)
+    with pytest.raises(ValueError, match=match):
+        spec_eval._check_eval(c.eval)

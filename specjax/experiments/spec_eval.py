@@ -30,7 +30,13 @@ from specjax.experiments.pairs import load_models
 from specjax.experiments.prompts import Prompts, make_prompts
 from specjax.models import split
 from specjax.parallel import make_mesh
-from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
+from specjax.sampling import (
+    Acceptance,
+    SamplingConfig,
+    as_acceptance,
+    make_autoregressive_fn,
+    make_speculative_fn,
+)
 from specjax.sampling import stats as st
 from specjax.sampling.calibrate import calibrate
 
@@ -65,6 +71,7 @@ def _check_eval(ev) -> tuple[list[SamplingConfig], tuple[int, ...]]:
         samplings.append(SamplingConfig(float(s[0]), int(s[1]), float(s[2])))
     if not samplings:
         raise ValueError('config.eval.samplings is empty')
+    _acceptance(ev)
     return samplings, ks
 
 
@@ -108,6 +115,14 @@ def check_lengths(ev, ks, max_lens: dict[str, tuple[int, str]]) -> None:
                 f'above the {name} max_len={max_len} ({where}); e.g. '
                 f'--config.eval.max_new_tokens={max(room, 0)} or a smaller prompt_len_max / ks'
             )
+
+
+def _acceptance(ev) -> Acceptance:
+    """config.eval.acceptance (rule name) and its parameters as an Acceptance (checked)."""
+    a = ev.get('acceptance', 'probabilistic')
+    if isinstance(a, str):
+        a = dict(rule=a, **dict(ev.get('acceptance_params', {})))
+    return as_acceptance(a)
 
 
 def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed: int):
@@ -213,7 +228,9 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
         ar_fn, [t_params], prompts, batch, seed
     )
     for k in ks:
-        fn = make_speculative_fn(t_graphdef, d_graphdef, num_draft_tokens=k, **common)
+        fn = make_speculative_fn(
+            t_graphdef, d_graphdef, num_draft_tokens=k, acceptance=_acceptance(ev), **common
+        )
         run_alls[k], outputs[k], records[k] = _compile_and_run(
             fn, [t_params, d_params], prompts, batch, seed
         )
@@ -221,7 +238,7 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
 
     alpha_cols = _alpha_columns(target, draft, prompts, outputs['ar'], sampling, batch)
     alpha = st.safe_ratio(alpha_cols[0].sum(), alpha_cols[1].sum())
-    tags = dict(sampling=sampling.to_dict(), sampling_label=label)
+    tags = dict(sampling=sampling.to_dict(), sampling_label=label, acceptance=_acceptance(ev).label)
     runs = [dict(records['ar'], method='autoregressive', k=None, alpha=alpha, **tags)]
     buckets = {name: [] for name in BUCKET_KEYS}
     logging.info('%s autoregressive: %.3f ms/token', label, 1e3 * records['ar']['time_per_token_s'])

@@ -26,6 +26,9 @@ def apply(graphdef, params, tokens, positions=None, segment_ids=None):
     return merge(graphdef, params)(tokens, positions=positions, segment_ids=segment_ids)
 
 
-def apply_cached(graphdef, params, tokens, num_valid, cache: KVCache):
-    """Cached forward: (tokens [B, T], num_valid [B], cache) -> (logits [B, T, V], cache)."""
-    return merge(graphdef, params).decode(tokens, num_valid, cache)
+def apply_cached(graphdef, params, tokens, num_valid, cache: KVCache, positions=None, mask=None):
+    """Cached forward: (tokens [B, T], num_valid [B], cache) -> (logits [B, T, V], cache).
+
+    positions [B, T] / mask [B, T, capacity] override the defaults (token trees).
+    """
+    return merge(graphdef, params).decode(tokens, num_valid, cache, positions, mask)

@@ -73,3 +73,17 @@ def cached_mask(lengths_B, num_new: int, capacity: int):
     """[B, T, capacity] mask: query t of row b (at position lengths[b] + t) sees keys j <= it."""
     query_pos = lengths_B[:, None] + jnp.arange(num_new)[None, :]
     return jnp.arange(capacity)[None, None, :] <= query_pos[:, :, None]
+
+
+def gather_window(cache_BCKD, starts_B, order_BW):
+    """Per row, rewrites the W entries from starts[b] as entries starts[b] + order[b, :].
+
+    Compacts a kept path of tree nodes into place (order[b, j] = where the j-th kept entry
+    sits, relative to starts[b]); entries past what a row keeps are don't-care.
+    """
+
+    def one(c, s, o):
+        window = jax.lax.dynamic_slice_in_dim(c, s, o.shape[0], axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(c, window[o], s, axis=0)
+
+    return jax.vmap(one)(cache_BCKD, starts_B, order_BW)

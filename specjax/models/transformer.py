@@ -78,16 +78,20 @@ class Transformer(nnx.Module):
             x, _ = block(x, positions, mask)
         return self._logits(x)
 
-    def decode(self, tokens, num_valid, cache: kvc.KVCache):
+    def decode(self, tokens, num_valid, cache: kvc.KVCache, positions=None, mask=None):
         """Cached call: tokens int32 [B, T], num_valid int32 [B] -> (logits [B, T, V], cache).
 
         Writes all T tokens at each row's cache length and advances each row by num_valid[b]; logits
         at t >= num_valid[b] are meaningless. Prefill (right-padded prompts), one-token decode, the
-        draft's 1-2 token catch-up and (k+1)-token verification all use this path.
+        draft's 1-2 token catch-up and (k+1)-token verification all use this path. Token trees
+        pass positions int32 [B, T] (default: length + t) and mask bool [B, T, capacity] (default:
+        causal over the cache) to score tree nodes with an ancestor-only mask.
         """
         b, t = tokens.shape
-        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
+        if positions is None:
+            positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        if mask is None:
+            mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
         x = self._embed(tokens)
         ks, vs = [], []
         for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):

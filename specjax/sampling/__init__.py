@@ -1,5 +1,6 @@
 """Sampling: logits transforms, autoregressive and speculative samplers, acceptance statistics."""
 
+from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_acceptance
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
 from specjax.sampling.common import PAD_ID, SampleOutput, check_same_tokenizer
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
@@ -9,13 +10,23 @@ from specjax.sampling.transforms import (
     sample_from_probs,
     transform_logits,
 )
+from specjax.sampling.tree import chain, check_tree
+from specjax.sampling.tree_speculative import make_tree_speculative_fn, tree_speculative_sample
 from specjax.sampling.verify import residual, verify, verify_greedy
 
 __all__ = [
+    'EXACT_RULES',
+    'RULES',
+    'Acceptance',
+    'as_acceptance',
     'PAD_ID',
     'SampleOutput',
     'SamplingConfig',
     'autoregressive_sample',
+    'chain',
+    'check_tree',
+    'make_tree_speculative_fn',
+    'tree_speculative_sample',
     'check_same_tokenizer',
     'inverse_cdf',
     'make_autoregressive_fn',

@@ -18,15 +18,43 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from specjax.models import apply_cached, init_cache, split
+from specjax.models import KVCache, apply_cached, init_cache, split
 from specjax.sampling import common
+from specjax.sampling.acceptance import as_acceptance, verify_rule
+from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
 from specjax.sampling.verify import verify, verify_greedy
 
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
 # exactness tests can show their statistics reject them (negative controls).
 _BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft')
+
+
+@struct.dataclass
+class ChainState:
+    """Loop state of the chain sampler (B rows, k proposals, N = max_new_tokens + k + 1).
+
+    tcache / dcache: target / draft KV caches. last [B]: the newest context token, not yet fed
+    to the target; prev [B]: x_k of the previous round (fed to the draft with `last` when
+    draft_pending [B] is 2). out [B, N] emitted tokens, emitted [B] their count, done [B].
+    round (scalar) batched rounds so far, row_rounds [B] rounds each row was active in;
+    row_examined_per_position / row_accepted_per_position [B, k].
+    """
+
+    tcache: KVCache
+    dcache: KVCache
+    last: jax.Array
+    prev: jax.Array
+    draft_pending: jax.Array
+    out: jax.Array
+    emitted: jax.Array
+    done: jax.Array
+    round: jax.Array
+    row_rounds: jax.Array
+    row_examined_per_position: jax.Array
+    row_accepted_per_position: jax.Array
 
 
 def speculative_sample(
@@ -42,12 +70,16 @@ def speculative_sample(
     eos_id=None,
     mesh=None,
     rules=None,
+    acceptance='probabilistic',
+    draft_vocab_ids=None,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
 
     prompts int32 [B, P] right-padded with lengths int32 [B] in [1, P]. Returns tokens
     [B, max_new_tokens] (PAD_ID after each row's end: eos, which is kept, or max_new_tokens),
-    lengths [B] and acceptance stats (see `SampleOutput`).
+    lengths [B] and acceptance stats (see `SampleOutput`). `acceptance`: a rule name, dict or
+    `Acceptance` (specjax.sampling.acceptance; exact ones keep the target's distribution).
+    `draft_vocab_ids` int [N]: the draft proposes only these target tokens (see `DraftVocab`).
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = split(draft)
@@ -60,6 +92,8 @@ def speculative_sample(
         eos_id=eos_id,
         mesh=mesh,
         rules=rules,
+        acceptance=acceptance,
+        draft_vocab_ids=draft_vocab_ids,
     )
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
@@ -74,6 +108,8 @@ def make_speculative_fn(
     eos_id=None,
     mesh=None,
     rules=None,
+    acceptance='probabilistic',
+    draft_vocab_ids=None,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -86,9 +122,9 @@ def make_speculative_fn(
     common.check_sampling(sampling)
     t_vocab = common.config_of(target_graphdef).vocab_size
     d_vocab = common.config_of(draft_graphdef).vocab_size
-    if t_vocab != d_vocab:
-        raise ValueError(f'target vocab_size={t_vocab} differs from draft vocab_size={d_vocab}')
+    vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
+    acc = as_acceptance(acceptance)
     if _bug not in _BUGS:
         raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
     mesh = common.default_mesh() if mesh is None else mesh
@@ -101,12 +137,16 @@ def make_speculative_fn(
         eos_id,
         mesh,
         common.normalize_rules(rules),
+        acc,
+        vocab,
         _bug,
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, mesh, rules, bug):
+def _cached_fn(
+    target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, mesh, rules, acc, vocab, bug
+):
     def check(width):
         for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
             cfg = common.config_of(graphdef)
@@ -120,23 +160,26 @@ def _cached_fn(target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, me
         max_new=max_new,
         sampling=sampling,
         eos_id=eos_id,
+        acc=acc,
+        vocab=vocab,
         bug=bug,
     )
     return common.ShardedSampler(core, mesh, rules, check)
 
 
 def _speculative_core(
-    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, k, max_new, sampling, eos_id, bug
-):
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, k, max_new, sampling, eos_id,
+    acc, vocab, bug,
+):  # fmt: skip
     batch, width = prompts.shape
     capacity = width + max_new + k + 1
     rows = jnp.arange(batch)
     tcache = init_cache(common.config_of(tgd), batch, capacity)
     dcache = init_cache(common.config_of(dgd), batch, capacity)
     _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
-    _, dcache = apply_cached(dgd, dparams, prompts, prompt_lengths - 1, dcache)
+    _, dcache = apply_cached(dgd, dparams, vocab.to_draft(prompts), prompt_lengths - 1, dcache)
     zeros = jnp.zeros((batch,), jnp.int32)
-    state = dict(
+    state = ChainState(
         tcache=tcache,
         dcache=dcache,
         last=prompts[rows, prompt_lengths - 1],
@@ -152,42 +195,50 @@ def _speculative_core(
     )
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, max_new=max_new, sampling=sampling,
-        eos_id=eos_id, bug=bug,
+        eos_id=eos_id, acc=acc, vocab=vocab, bug=bug,
     )  # fmt: skip
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s['done']), body, state)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
-        tokens=common.finish_tokens(state['out'], state['emitted'], max_new),
-        lengths=state['emitted'],
+        tokens=common.finish_tokens(state.out, state.emitted, max_new),
+        lengths=state.emitted,
         stats=_stats(state, k),
     )
 
 
-def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, bug):
+def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug):
     """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, cache).
 
     k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
-    q_2..q_k; x_k is left for the next round's catch-up.
+    q_2..q_k; x_k is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax
+    and the returned q_i is its one-hot. x and q are in the target's vocabulary.
     """
     act = active.astype(jnp.int32)
-    pending, last, prev = state['draft_pending'], state['last'], state['prev']
+    pending, last, prev = state.draft_pending, state.last, state.prev
     two = pending == 2
     catch_up = jnp.stack([jnp.where(two, prev, last), jnp.where(two, last, 0)], axis=1)
-    logits, dcache = apply_cached(dgd, dparams, catch_up, pending * act, state['dcache'])
+    logits, dcache = apply_cached(
+        dgd, dparams, vocab.to_draft(catch_up), pending * act, state.dcache
+    )
     logits = jnp.take_along_axis(logits, (pending - 1)[:, None, None], axis=1)[:, 0]
 
     def draw(uniform_B, logits):
+        logits = vocab.restrict(logits)
         q = transform_logits(logits, sampling)
-        if bug == 'bf16_draft':
+        if acc.rule == 'argmax_draft':
+            x = jnp.argmax(q, axis=-1).astype(jnp.int32)
+            q = jax.nn.one_hot(x, q.shape[-1], dtype=q.dtype)
+        elif bug == 'bf16_draft':
             # reduce_precision: XLA may elide a bf16 round trip (excess precision).
             bf16 = jax.lax.reduce_precision(logits, exponent_bits=8, mantissa_bits=7)
-            source = transform_logits(bf16, sampling)
-            return inverse_cdf(source, uniform_B), q
-        return inverse_cdf(q, uniform_B), q
+            x = inverse_cdf(transform_logits(bf16, sampling), uniform_B)
+        else:
+            x = inverse_cdf(q, uniform_B)
+        return vocab.token(x), vocab.expand(q)
 
     def step(carry, uniform_B):
         logits, cache = carry
         x, q = draw(uniform_B, logits)
-        logits, cache = apply_cached(dgd, dparams, x[:, None], act, cache)
+        logits, cache = apply_cached(dgd, dparams, vocab.to_draft(x[:, None]), act, cache)
         return (logits[:, 0], cache), (x, q)
 
     uniform_KB = uniform_BK.T
@@ -198,29 +249,36 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, bug):
     return x_BK, q_BKV, dcache
 
 
-def _round(tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, bug):
-    active = ~state['done']
+def _round(
+    tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, acc, vocab, bug
+):
+    active = ~state.done
     act = active.astype(jnp.int32)
     # One draw per round; its disjoint slices are independent streams for the draft samples,
     # the acceptance tests and the residual/bonus draw.
-    noise = jax.random.uniform(jax.random.fold_in(rng, state['round']), (len(act), 2 * k + 1))
+    noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
     x_BK, q_BKV, dcache = _propose(
-        dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, bug=bug
-    )
+        dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
+        vocab=vocab, bug=bug,
+    )  # fmt: skip
 
-    tcache = state['tcache']
-    tokens = jnp.concatenate([state['last'][:, None], x_BK], axis=1)
+    tcache = state.tcache
+    tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
     logits, tcache = apply_cached(tgd, tparams, tokens, jnp.zeros_like(act), tcache)
     p_BKV = transform_logits(logits, sampling)
     if sampling.greedy:
         num_acc, next_token = verify_greedy(p_BKV, x_BK)
+    elif bug is None:
+        num_acc, next_token = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
     else:
         extra = {}
         if bug == 'residual_untransformed':
             extra['residual_p_BKV'] = jax.nn.softmax(logits / sampling.temperature, axis=-1)
         if bug == 'bonus_from_q':  # q_{k+1} from a throwaway draft call on x_k
-            q_logits, _ = apply_cached(dgd, dparams, x_BK[:, -1:], act, dcache)
-            extra['bonus_BV'] = transform_logits(q_logits[:, 0], sampling)
+            q_logits, _ = apply_cached(dgd, dparams, vocab.to_draft(x_BK[:, -1:]), act, dcache)
+            extra['bonus_BV'] = vocab.expand(
+                transform_logits(vocab.restrict(q_logits[:, 0]), sampling)
+            )
         num_acc, next_token = verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
@@ -228,13 +286,13 @@ def _round(tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_
     padded = jnp.pad(x_BK, ((0, 0), (0, 1)))
     block = jnp.where(j == num_acc[:, None], next_token[:, None], 0)
     block = jnp.where(j < num_acc[:, None], padded, block)
-    count = jnp.minimum(num_acc + 1, max_new - state['emitted'])
+    count = jnp.minimum(num_acc + 1, max_new - state.emitted)
     count = common.first_eos_count(block, count, eos_id)
     hit_eos = jnp.zeros_like(active)
     if eos_id is not None:
         hit_eos = jnp.any((block == eos_id) & (j < count[:, None]), axis=1)
-    emitted = state['emitted'] + count * act
-    out = common.write_rows(state['out'], block, state['emitted'])
+    emitted = state.emitted + count * act
+    out = common.write_rows(state.out, block, state.emitted)
 
     # Proposals count as examined/accepted only where they sit inside the row's output.
     i = jnp.arange(k)[None, :]
@@ -245,35 +303,35 @@ def _round(tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_
     # Roll back: the target keeps last + x_1..x_n; the draft keeps x_1..x_min(n, k-1).
     keep = lambda new, old: jnp.where(active, new, old)
     d_len = dcache.lengths - (k - 1) + jnp.minimum(num_acc, k - 1)
-    return dict(
+    return ChainState(
         tcache=tcache.replace(lengths=keep(tcache.lengths + 1 + num_acc, tcache.lengths)),
         dcache=dcache.replace(lengths=keep(d_len, dcache.lengths)),
-        last=keep(next_token, state['last']),
-        prev=keep(x_BK[:, -1], state['prev']),
-        draft_pending=keep(1 + (num_acc == k).astype(jnp.int32), state['draft_pending']),
-        out=jnp.where(active[:, None], out, state['out']),
+        last=keep(next_token, state.last),
+        prev=keep(x_BK[:, -1], state.prev),
+        draft_pending=keep(1 + (num_acc == k).astype(jnp.int32), state.draft_pending),
+        out=jnp.where(active[:, None], out, state.out),
         emitted=emitted,
-        done=state['done'] | (active & ((emitted >= max_new) | hit_eos)),
-        round=state['round'] + 1,
-        row_rounds=state['row_rounds'] + act,
-        row_examined_per_position=state['row_examined_per_position'] + examined,
-        row_accepted_per_position=state['row_accepted_per_position'] + accepted,
+        done=state.done | (active & ((emitted >= max_new) | hit_eos)),
+        round=state.round + 1,
+        row_rounds=state.row_rounds + act,
+        row_examined_per_position=state.row_examined_per_position + examined,
+        row_accepted_per_position=state.row_accepted_per_position + accepted,
     )
 
 
 def _stats(state, k):
     """Per-row counts and their totals (sums over rows); see `SampleOutput` for the names."""
-    rounds = state['row_rounds']
+    rounds = state.row_rounds
     rows = dict(
-        row_examined_per_position=state['row_examined_per_position'],
-        row_accepted_per_position=state['row_accepted_per_position'],
-        row_examined=state['row_examined_per_position'].sum(-1),
-        row_accepted=state['row_accepted_per_position'].sum(-1),
+        row_examined_per_position=state.row_examined_per_position,
+        row_accepted_per_position=state.row_accepted_per_position,
+        row_examined=state.row_examined_per_position.sum(-1),
+        row_accepted=state.row_accepted_per_position.sum(-1),
         row_drafted=k * rounds,
-        row_emitted=state['emitted'],
+        row_emitted=state.emitted,
         row_rounds=rounds,
         row_target_calls=rounds + 1,
         row_draft_calls=k * rounds + 1,
     )
     totals = {name[4:]: value.sum(0) for name, value in rows.items()}
-    return {**totals, **rows, 'batch_rounds': state['round']}
+    return {**totals, **rows, 'batch_rounds': state.round}

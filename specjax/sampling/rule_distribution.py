@@ -1,0 +1,114 @@
+"""Exact output distributions of the acceptance rules, by enumeration (NumPy, float64).
+
+Within a round every emitted token comes from the same one-step kernel of its context's p and q,
+except the bonus after k kept proposals, which is a sample of p. So a rule's output is fixed by
+`step_kernel` (the kept-proposal and replacement parts of one position's output) and the chain
+length k, and `rule_joint` enumerates the joint of the first m tokens over every context from
+per-context p and q alone. `tv_from_target` is the rules' distance from the target; for exact
+rules it is 0 up to rounding, which the tests check against the target's own joint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.sampling.acceptance import Acceptance, as_acceptance
+
+_EPS = 1e-7  # the samplers' residual fallback threshold (verify.RESIDUAL_EPS)
+
+
+def _normalise_or(r, fallback):
+    mass = r.sum(-1, keepdims=True)
+    return np.where(mass >= _EPS, r / np.where(mass >= _EPS, mass, 1.0), fallback)
+
+
+def _without_each(p):
+    """[..., V(x), V]: p with token x removed, renormalised (p itself if p(x) is all the mass)."""
+    vocab = p.shape[-1]
+    r = p[..., None, :] * (1.0 - np.eye(vocab))
+    return _normalise_or(r, p[..., None, :])
+
+
+def step_kernel(p, q, acceptance: Acceptance | str = 'probabilistic'):
+    """One position's output split in two: (kept [..., V], replaced [..., V]), summing to a dist.
+
+    kept[y] = P(the proposal is y and is kept); replaced[y] = P(a proposal is rejected and the
+    replacement is y). p, q [..., V] are the transformed target and draft distributions.
+    """
+    acc = as_acceptance(acceptance)
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    if acc.rule == 'argmax_draft':
+        q = np.eye(p.shape[-1])[np.argmax(q, -1)]
+    safe_q = np.where(q > 0, q, 1.0)
+    if acc.rule in ('probabilistic', 'argmax_draft', 'lenient'):
+        eps = acc.lenience if acc.rule == 'lenient' else 1.0
+        keep = np.where(q > 0, np.minimum(1.0, p / (eps * safe_q)), 0.0)
+    elif acc.rule == 'strict':
+        keep = p
+    else:  # typical
+        logp = np.log(np.where(p > 0, p, 1.0))
+        ent = -(p * logp).sum(-1, keepdims=True)
+        cut = np.minimum(acc.typical_threshold, acc.typical_alpha * np.exp(-ent))
+        keep = (p > cut).astype(np.float64)
+    kept = q * keep
+    reject_x = q * (1.0 - keep)  # [..., V(x)]
+    if acc.rule == 'strict':
+        replaced = np.einsum('...x,...xv->...v', reject_x, _without_each(p))
+    elif acc.rule == 'argmax_draft':
+        replaced = reject_x.sum(-1, keepdims=True) * _normalise_or(np.maximum(p - q, 0), p)
+    elif acc.rule == 'typical':
+        replaced = reject_x.sum(-1, keepdims=True) * p
+    else:
+        replaced = reject_x.sum(-1, keepdims=True) * _normalise_or(np.maximum(p - q, 0), p)
+    return kept, replaced
+
+
+def output_distribution(p, q, acceptance='probabilistic'):
+    """[..., V]: the distribution of a token emitted by the one-step kernel (no bonus)."""
+    kept, replaced = step_kernel(p, q, acceptance)
+    return kept + replaced
+
+
+def rule_joint(p_ctx, q_ctx, k: int, acceptance='probabilistic'):
+    """Exact joint [V]*m of the first m tokens a chain of k proposals emits under `acceptance`.
+
+    p_ctx, q_ctx: [V]*(m-1) + [m, V]; entry (t_1..t_{m-1}, i) is the distribution at position i
+    after the prompt and t_1..t_i (later indices ignored), as `truth` in the tests builds it.
+    The state carried along is how many proposals of the current round have been kept so far.
+    """
+    p_ctx, q_ctx = np.asarray(p_ctx, np.float64), np.asarray(q_ctx, np.float64)
+    m, vocab = p_ctx.shape[-2:]
+    # mass[j]: [V]*i joint of the first i tokens with j proposals of the current round kept.
+    mass = [np.ones(())] + [np.zeros(())] * k
+    for i in range(m):
+        index = (slice(None),) * i + (0,) * (m - 1 - i) + (i,)
+        p, q = p_ctx[index], q_ctx[index]  # [V]*i + [V]
+        kept, replaced = step_kernel(p, q, acceptance)
+        new = [np.zeros((vocab,) * (i + 1)) for _ in range(k + 1)]
+        for j in range(k + 1):
+            if j == k:  # bonus token: a sample of p, the round ends
+                new[0] = new[0] + mass[j][..., None] * p
+                continue
+            new[j + 1] = new[j + 1] + mass[j][..., None] * kept
+            new[0] = new[0] + mass[j][..., None] * replaced
+        mass = new
+    return sum(mass)
+
+
+def tv_from_target(p_ctx, q_ctx, k: int, acceptance, target_joint=None):
+    """Total-variation distance between the rule's joint of m tokens and the target's."""
+    joint = rule_joint(p_ctx, q_ctx, k, acceptance)
+    if target_joint is None:
+        target_joint = target_joint_of(p_ctx)
+    return 0.5 * float(np.abs(joint - target_joint).sum())
+
+
+def target_joint_of(p_ctx):
+    """The target's joint [V]*m from the same per-context table (chain rule)."""
+    p_ctx = np.asarray(p_ctx, np.float64)
+    m = p_ctx.shape[-2]
+    joint = np.ones(())
+    for i in range(m):
+        index = (slice(None),) * i + (0,) * (m - 1 - i) + (i,)
+        joint = joint[..., None] * p_ctx[index]
+    return joint

@@ -1,0 +1,128 @@
+"""Token-tree speculative sampling: exactness (enumerated target law, two tree shapes, ragged
+batch), negative controls on the sibling rule, greedy equivalences, KV compaction, bad trees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sampling_models import (
+    GREEDY_EOS,
+    GREEDY_MAX_NEW,
+    GREEDY_PROMPTS,
+    greedy_models,
+    ragged_prompts,
+)
+from test_exactness import DRAFT, NUM_SAMPLES, PROMPTS, TARGET, run_test
+
+from specjax.models import split
+from specjax.sampling import (
+    SamplingConfig,
+    autoregressive_sample,
+    chain,
+    check_tree,
+    make_speculative_fn,
+    make_tree_speculative_fn,
+    tree_speculative_sample,
+)
+
+WIDE = ((0,), (1,), (2,), (0, 0))  # three siblings at the root: the sibling rule matters
+DEEP = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))  # branching at two depths, depth 3
+SETTINGS = {
+    'wide_t1': (WIDE, SamplingConfig(1.0)),
+    'deep_t07_topk3': (DEEP, SamplingConfig(0.7, top_k=3)),
+    'deep_topp08': (DEEP, SamplingConfig(1.0, top_p=0.8)),
+}
+
+
+def sample(setting, bug=None):
+    tree, sampling = SETTINGS[setting]
+    depth = max(len(p) for p in tree)
+    fn = make_tree_speculative_fn(
+        split(TARGET)[0], split(DRAFT)[0], tree=tree, max_new_tokens=depth + 2,
+        sampling=sampling, _bug=bug,
+    )  # fmt: skip
+    prompts, lengths = ragged_prompts(PROMPTS, NUM_SAMPLES)
+    return fn(split(TARGET)[1], split(DRAFT)[1], prompts, lengths, 0), depth
+
+
+def check_tree_invariants(out, tree, max_new):
+    s = {name: np.asarray(v) for name, v in out.stats.items()}
+    lengths, rounds = np.asarray(out.lengths), s['row_rounds']
+    assert ((lengths >= 1) & (lengths <= max_new)).all()
+    assert np.isin(lengths - s['row_accepted'] - rounds, [-1, 0]).all()
+    assert (np.diff(s['row_accepted_per_position'], axis=1) <= 0).all()  # a path, in order
+    assert (s['row_accepted_per_position'] <= s['row_examined_per_position']).all()
+    np.testing.assert_array_equal(s['row_drafted'], len(tree) * rounds)
+    assert s['accepted'] == s['row_accepted'].sum() and s['batch_rounds'] == rounds.max()
+
+
+@pytest.mark.parametrize('setting', list(SETTINGS))
+def test_tree_matches_target_distribution(setting):
+    tree, sampling = SETTINGS[setting]
+    out, depth = sample(setting)
+    check_tree_invariants(out, tree, depth + 2)
+    rejected, tv = run_test(out.tokens, out.lengths, sampling, depth + 2)
+    assert not rejected, (setting, rejected, tv)
+    s = {name: np.asarray(v) for name, v in out.stats.items()}
+    assert (s['accepted_per_position'] > 0).all()  # every depth was reached and accepted
+    assert 0.1 < s['accepted'] / s['examined'] < 0.95
+
+
+@pytest.mark.parametrize('bug', ['stale_residual', 'unmodified_p'])
+def test_wrong_sibling_rules_are_rejected(bug):
+    _, sampling = SETTINGS['wide_t1']
+    out, depth = sample('wide_t1', bug=bug)
+    rejected, tv = run_test(out.tokens, out.lengths, sampling, depth + 2)
+    assert rejected, (bug, tv)
+
+
+def test_greedy_tree_equals_chain_and_autoregressive():
+    """Greedy: the chain-shaped tree reproduces the chain sampler token for token and stat for
+    stat; a branching tree reproduces greedy autoregressive decoding with fewer rounds."""
+    target, draft = greedy_models()
+    greedy = SamplingConfig(0.0)
+    prompts, lengths = ragged_prompts(GREEDY_PROMPTS, len(GREEDY_PROMPTS))
+    kw = dict(max_new_tokens=GREEDY_MAX_NEW, sampling=greedy, eos_id=GREEDY_EOS)
+    ref = autoregressive_sample(target, prompts, lengths, rng=0, **kw)
+    args = (split(target)[1], split(draft)[1], prompts, lengths, 0)
+    chain_fn = make_speculative_fn(split(target)[0], split(draft)[0], num_draft_tokens=3, **kw)
+    chain_out = chain_fn(*args)
+    as_tree = tree_speculative_sample(
+        target, draft, prompts, lengths, tree=chain(3), rng=0, **kw
+    )  # fmt: skip
+    np.testing.assert_array_equal(as_tree.tokens, chain_out.tokens)
+    for name, value in chain_out.stats.items():
+        np.testing.assert_array_equal(as_tree.stats[name], value, err_msg=name)
+    wide = tree_speculative_sample(target, draft, prompts, lengths, tree=DEEP, rng=0, **kw)
+    np.testing.assert_array_equal(wide.tokens, ref.tokens)
+    np.testing.assert_array_equal(wide.lengths, ref.lengths)
+    assert wide.stats['rounds'] < chain_out.stats['rounds']  # siblings rescue rejections
+    check_tree_invariants(wide, DEEP, GREEDY_MAX_NEW)
+
+
+def test_tree_canonical_order():
+    assert check_tree([(1,), (0, 0), (0,)]) == ((0,), (1,), (0, 0))
+    assert chain(2) == ((0,), (0, 0))
+
+
+@pytest.mark.parametrize(
+    'tree, kwargs, match',
+    [
+        (((0, 1),), {}, r'path \(0, 1\) lacks its prefix \(0,\)'),
+        (((0,), (1, 0)), {}, r'lacks its prefix \(1,\)'),
+        (((0,), (0,)), {}, r'duplicate path \(0,\)'),
+        ((), {}, 'at least one path'),
+        (((-1,),), {}, 'ints >= 0'),
+        ('abc', {}, 'tuple of paths'),
+        (chain(40), {}, 'max_len'),
+        (((0,), (1,)), dict(max_new_tokens=45), '2-node tree'),
+        (((0,), (17,)), dict(sampling=SamplingConfig(0.0)), 'rank 17 >= vocab_size=17'),
+    ],
+)  # fmt: skip
+def test_bad_trees_raise_before_compiling(tree, kwargs, match):
+    target, draft = greedy_models()
+    prompts, lengths = ragged_prompts(GREEDY_PROMPTS, 6)
+    args = dict(max_new_tokens=4, sampling=SamplingConfig(1.0), rng=0)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        tree_speculative_sample(target, draft, prompts, lengths, tree=tree, **args)
