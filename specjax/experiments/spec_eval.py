@@ -87,7 +87,7 @@ def model_max_lens(config) -> dict[str, tuple[int, str]]:
             raise ValueError(f'config.{field} is empty; set it or config.random_init=True')
         ckpts = Checkpoints(config[field], read_only=True)
         try:
-            meta = ckpts.metadata()
+            _, meta = ckpts.newest_readable(ckpts.metadata)  # as load_model: skip broken steps
         finally:
             ckpts.close()
         if key not in meta:
