@@ -363,7 +363,8 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
     }
     os.makedirs(workdir, exist_ok=True)
     report.write_json(os.path.join(workdir, 'spec_eval.json'), result)
-    workdir_lib.write_results(workdir, 'spec_eval', headline(result), config, keep_previous=False)
+    headline_json = report.jsonable(headline(result))  # NaN -> null, as before
+    workdir_lib.write_results(workdir, 'spec_eval', headline_json, config, keep_previous=False)
     print(table_markdown(result), flush=True)
     return result
 
