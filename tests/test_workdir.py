@@ -38,6 +38,17 @@ def test_spec_eval_leaves_a_training_workdirs_results_intact(tmp_path, monkeypat
     check_results_owner(str(tmp_path), 'pretrain')  # its own mode may rewrite it
 
 
+def test_results_from_before_modes_were_recorded(tmp_path):
+    (tmp_path / 'results.json').write_text(json.dumps({'step': 3, 'checkpoint_dir': 'x'}))
+    check_results_owner(str(tmp_path), 'distill')  # a training result: checkpoints decide
+    with pytest.raises(ValueError, match='never replaced'):
+        check_results_owner(str(tmp_path), 'spec_eval')
+    (tmp_path / 'results.json').write_text(json.dumps({'c': 0.1, 'v': {'1': 2.0}}))
+    check_results_owner(str(tmp_path), 'spec_eval')
+    with pytest.raises(ValueError, match="mode 'spec_eval', not 'pretrain'"):
+        check_results_owner(str(tmp_path), 'pretrain')
+
+
 def test_spec_eval_lengths_fail_early_with_the_arithmetic():
     c = spec_eval_config()
     c.draft.max_len = 128
