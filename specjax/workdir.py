@@ -48,9 +48,10 @@ IGNORED_CONFIG_FIELDS = (
     'train.keep_checkpoints',
     'train.async_checkpointing',
     'train.allow_config_change',  # the override itself
-    'mesh',  # same math on another topology (a resumed pod job may get another slice)
+    'mesh',  # the same computation on another topology (a resumed pod job may get another slice)
     'distill.teacher_workdir',  # the teacher's identity (config + step) is checked instead
     'data.data_dir',  # the corpus and tokenizer identities are checked instead
+    'data.cache_tokens',  # the same token ids, cached or not
     'sweep.dry_run',
 )
 
