@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import pytest
 from data_fixtures import toy_data_config
 
@@ -51,7 +52,13 @@ def test_readme_pipeline_with_sigterm_exit_status(toy_data_dir, tmp_path, monkey
     proc = subprocess.Popen(
         [sys.executable, '-m', 'specjax.main', f'--config={CONFIGS / "target.py"}:size=tiny']
         + [f'--workdir={target_wd}', '--config.train.steps=100000', *flags],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(sys.path),
+            JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,  # conftest's cache
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.2',
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
