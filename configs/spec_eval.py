@@ -18,6 +18,10 @@ compiling one sampler per (k, sampling) point):
   python -m specjax.main --config=configs/spec_eval.py:random \
       --workdir=/tmp/specjax/spec_eval_random
 
+Give spec_eval its own --workdir: it refuses one whose results.json another mode wrote (a
+training workdir), before loading anything. prompt_len_max + max_new_tokens + max(ks) + 1 must fit
+both models' max_len; a mismatch fails early with the arithmetic.
+
 Presets: `random` (models from config.model / config.draft) and `checkpoints` (models from the
 two workdirs; their tokenizer identities must match each other and config.data's). Any field is
 a flag, e.g. --config.eval.ks='(1,2,3,4)' --config.eval.samplings='((0.0,0,1.0),)'.

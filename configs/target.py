@@ -18,7 +18,8 @@ Presets (`:size=...`):
 
 Override any field, e.g. --config.train.steps=100 --config.train.lr=1e-3. Rerunning with the
 same --workdir resumes from the latest checkpoint (data order included); a checkpoint made with
-another model, tokenizer or corpus is refused.
+another model, tokenizer or corpus is refused, and so is any other result-changing field (seed,
+steps, ...) unless --config.train.allow_config_change=True. SIGTERM saves and exits 42.
 """
 
 import ml_collections

@@ -6,16 +6,28 @@
 set -euo pipefail
 num="${1:?number of processes}"; per="${2:?devices per process}"; shift 2
 [ "${1:-}" = "--" ] && shift
-port="${SPECJAX_PORT:-$((20000 + RANDOM % 20000))}"
-pids=()
-for ((i = 0; i < num; i++)); do
-  SPECJAX_COORDINATOR="127.0.0.1:${port}" SPECJAX_NUM_PROCESSES="$num" SPECJAX_PROCESS_ID="$i" \
-    SPECJAX_CPU_DEVICES_PER_PROCESS="$per" JAX_PLATFORMS=cpu \
-    python -m specjax.main "$@" > "proc_${i}.log" 2>&1 &
-  pids+=($!)
+# Exit status 42 from every process = preempted after the checkpoint: all are started again
+# (at most SPECJAX_MAX_RESTARTS times, default 10). The final status is this script's.
+restarts="${SPECJAX_MAX_RESTARTS:-10}"
+pids=(); stop=0
+trap 'stop=1; kill -TERM "${pids[@]}" 2>/dev/null' INT TERM  # an operator's stop: no restart
+for ((attempt = 0; ; attempt++)); do
+  port="${SPECJAX_PORT:-$((20000 + RANDOM % 20000))}"
+  pids=()
+  for ((i = 0; i < num; i++)); do
+    SPECJAX_COORDINATOR="127.0.0.1:${port}" SPECJAX_NUM_PROCESSES="$num" SPECJAX_PROCESS_ID="$i" \
+      SPECJAX_CPU_DEVICES_PER_PROCESS="$per" JAX_PLATFORMS=cpu \
+      python -m specjax.main "$@" >> "proc_${i}.log" 2>&1 &
+    pids+=($!)
+  done
+  status=0; preempted=1
+  for pid in "${pids[@]}"; do
+    rc=0; wait "$pid" || rc=$?
+    [ "$rc" -eq 42 ] || preempted=0
+    [ "$rc" -eq 0 ] || status=$rc
+  done
+  [ "$preempted" -eq 1 ] && [ "$stop" -eq 0 ] && [ "$attempt" -lt "$restarts" ] || break
+  echo "[local_multiprocess.sh] preempted (exit 42): restarting ($((attempt + 1))/$restarts)"
 done
-trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 tail -n 5 proc_0.log
 exit "$status"

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from flax import nnx
 
 from specjax.workdir import ConfigMismatch
@@ -191,9 +192,9 @@ class Checkpoints:
 
     def step_problem(self, step: int) -> str | None:
         """Why `step` is not a complete checkpoint (a missing file), or None if it looks whole."""
-        step_dir = os.path.join(self.directory, str(step))
+        step_dir = epath.Path(self.directory) / str(step)
         for name in _REQUIRED_FILES:
-            if not os.path.isfile(os.path.join(step_dir, name)):
+            if not (step_dir / name).exists():
                 return f'{name} is missing'
         return None
 
@@ -234,18 +235,24 @@ class Checkpoints:
         )
 
     def move_aside(self, steps) -> list[str]:
-        """Moves step folders to <workdir>/checkpoints_broken/<step>.<time>; returns new paths."""
+        """Moves step folders to <workdir>/checkpoints_broken/<step>.<time>; returns new paths.
+
+        Process 0 moves, every process then waits for it and reloads its step list.
+        """
         stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
         dest_root = os.path.join(os.path.dirname(self.directory), BROKEN_DIR)
         moved = []
-        for step in steps:
+        for step in steps if jax.process_index() == 0 else ():
             dest = os.path.join(dest_root, f'{step}.{stamp}')
             os.makedirs(dest_root, exist_ok=True)
             shutil.move(os.path.join(self.directory, str(step)), dest)
             logging.warning('moved unreadable checkpoint step %d to %s (not deleted)', step, dest)
             moved.append(dest)
-        if moved:
-            self.manager.reload()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices('specjax_checkpoints_moved_aside')
+        self.manager.reload()
         return moved
 
     def wait(self) -> None:

@@ -48,9 +48,10 @@ IGNORED_CONFIG_FIELDS = (
     'train.keep_checkpoints',
     'train.async_checkpointing',
     'train.allow_config_change',  # the override itself
-    'mesh',  # same math on another topology (a resumed pod job may get another slice)
+    'mesh',  # the same computation on another topology (a resumed pod job may get another slice)
     'distill.teacher_workdir',  # the teacher's identity (config + step) is checked instead
     'data.data_dir',  # the corpus and tokenizer identities are checked instead
+    'data.cache_tokens',  # the same token ids, cached or not
     'sweep.dry_run',
 )
 
@@ -234,6 +235,18 @@ def check_config_change(saved, current, *, allow: bool, where: str) -> None:
     )
 
 
+TRAINING_MODES = ('pretrain', 'distill', 'cotrain')
+
+
+def _legacy_owner(recorded: dict) -> str | None:
+    """Who wrote a results.json from before 'mode' was recorded (by its keys), or None."""
+    if 'checkpoint_dir' in recorded:
+        return 'training'
+    if {'c', 'v'} <= set(recorded) or {'runs', 'calibration'} <= set(recorded):
+        return 'spec_eval'  # its results.json / spec_eval.json
+    return None
+
+
 def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> None:
     """ValueError if <workdir>/<name> exists and was written by another mode (or by hand)."""
     path = os.path.join(workdir, name)
@@ -241,9 +254,12 @@ def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> No
         return
     try:
         with open(path) as f:
-            owner = json.load(f).get('mode')
+            recorded = json.load(f)
+        owner = recorded.get('mode') or _legacy_owner(recorded)
     except (OSError, json.JSONDecodeError, AttributeError):
         owner = None
+    if owner == 'training' and mode in TRAINING_MODES:
+        return  # written before results recorded their mode; the checkpoint identity decides
     if owner != mode:
         raise ValueError(
             f'{path} was written by mode {owner!r}, not {mode!r}; it is never replaced. '

@@ -272,7 +272,7 @@ def run_distill(config, workdir: str, *, data: DistillData | None = None, on_ste
     Holds the workdir lock for the whole run.
     """
     draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
-    precheck(config, draft_cfg)  # before the tokenizer is built (SentencePiece may train)
+    precheck(config, draft_cfg, data_config=data is None)  # before any tokenizer is built
     with workdir_lib.hold(workdir, 'distill'):
         workdir_lib.check_results_owner(workdir, 'distill')
         return _run_distill(config, workdir, data, on_step)

@@ -99,12 +99,13 @@ def _check_shapes(params, meta, workdir, step) -> None:
         )
 
 
-def precheck(config, draft_cfg: TransformerConfig) -> None:
+def precheck(config, draft_cfg: TransformerConfig, *, data_config: bool = True) -> None:
     """Vocabulary / tokenizer checks from the teacher's metadata alone, before any data work.
 
     Runs before the tokenizer is built (a SentencePiece model may otherwise be trained first):
     config.draft.vocab_size must equal the teacher's, and config.data.tokenizer (and, for
-    SentencePiece, config.data.vocab_size) must match the teacher's tokenizer identity.
+    SentencePiece, config.data.vocab_size) must match the teacher's tokenizer identity (skipped
+    with data_config=False: the caller supplies the data itself).
     """
     d = config.distill
     workdir = os.path.abspath(os.path.expanduser(d.teacher_workdir))
@@ -121,6 +122,8 @@ def precheck(config, draft_cfg: TransformerConfig) -> None:
             f'vocab_size={t_vocab} (config.distill.teacher_workdir={workdir!r} step {step}): '
             'draft and target must share a vocabulary'
         )
+    if not data_config:
+        return
     tok = meta.get('tokenizer') or {}
     kind = config.data.get('tokenizer')
     if tok.get('kind') and kind != tok['kind']:

@@ -94,7 +94,7 @@ def model_max_lens(config) -> dict[str, tuple[int, str]]:
             raise ValueError(f'config.{field} is empty; set it or config.random_init=True')
         ckpts = Checkpoints(config[field], read_only=True)
         try:
-            meta = ckpts.metadata()
+            _, meta = ckpts.newest_readable(ckpts.metadata)  # as load_model: skip broken steps
         finally:
             ckpts.close()
         if key not in meta:
@@ -380,7 +380,8 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
     }
     os.makedirs(workdir, exist_ok=True)
     report.write_json(os.path.join(workdir, 'spec_eval.json'), result)
-    workdir_lib.write_results(workdir, 'spec_eval', headline(result), config, keep_previous=False)
+    headline_json = report.jsonable(headline(result))  # NaN -> null, as before
+    workdir_lib.write_results(workdir, 'spec_eval', headline_json, config, keep_previous=False)
     print(table_markdown(result), flush=True)
     return result
 

@@ -164,7 +164,7 @@ def _forward(signum, frame):
     process = _Children.process
     if process is not None:
         _kill_group(process, signal.SIGKILL if again else signum)
-    print(f'[sweep] got signal {signum}: stopping after the running point', flush=True)
+    os.write(2, f'[sweep] got signal {signum}: stopping after the running point\n'.encode())
 
 
 class _Forwarding:
