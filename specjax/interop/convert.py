@@ -97,7 +97,7 @@ def _check_architecture(c: dict) -> None:
 def _rope_from_hf(c: dict) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from transformers 4's rope_theta/rope_scaling or 5's rope_parameters."""
     params = dict(c.get('rope_parameters') or c.get('rope_scaling') or {})
-    theta = params.get('rope_theta', c.get('rope_theta', 10000.0))
+    theta = params.get('rope_theta') or c.get('rope_theta') or 10000.0
     rope_type = params.get('rope_type', params.get('type', 'default'))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
