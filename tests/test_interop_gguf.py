@@ -200,3 +200,30 @@ def test_early_exit_draft_is_the_targets_first_layers(imported):
     np.testing.assert_array_equal(np.asarray(full(ids)), np.asarray(model(ids)))
     with pytest.raises(ValueError, match='n_layers=4 is above'):
         early_exit_draft(model, 4)
+
+
+def test_export_then_hf_import_round_trips_a_workdir(tmp_path, imported):
+    """gguf -> workdir -> export (HF folder transformers loads) -> hf: import -> same params."""
+    torch = pytest.importorskip('torch')
+    transformers = pytest.importorskip('transformers')
+    from specjax.checkpoint import load_model
+    from specjax.interop import workdir as wd
+
+    model, tok = imported
+    first, hf_dir, second = (str(tmp_path / n) for n in ('first', 'hf', 'second'))
+    wd.write_workdir(model, tok, first, source={'name': 'test'})
+    assert wd.export_workdir(first, hf_dir)['tokenizer']
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ids = np.asarray([[1, 7, 99, 260, 3]])
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(model(jnp.asarray(ids, jnp.int32))) - theirs).max() < 1e-4
+    wd.import_workdir(f'hf:{hf_dir}', second)
+    back, meta = load_model(second)
+    assert meta['tokenizer'] == tok.identity() and back.config == model.config
+    same = jax.tree.map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+        nnx.state(back),
+        nnx.state(model),
+    )
+    assert all(jax.tree.leaves(same))

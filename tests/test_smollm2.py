@@ -60,14 +60,24 @@ def theirs(path):
 
 
 def test_logits_match_transformers(ours, theirs):
+    """Within 1e-3 of transformers in float64 (the float32 runs of both differ by up to ~1e-3
+    from each other and from float64 at logit scale ~30: measured 8e-5 .. 1.0e-3)."""
+    import copy
+
     model, tok = ours
     hf, _ = theirs
+    hf64 = copy.deepcopy(hf).double()
     for prompt in PROMPTS:
         ids = [tok.bos_id, *tok.encode(prompt)]
         a = np.asarray(model(jnp.asarray([ids], jnp.int32)))
         with torch.no_grad():
             b = hf(torch.tensor([ids])).logits.numpy()
-        assert np.abs(a - b).max() < 1e-3, prompt
+            c = hf64(torch.tensor([ids])).logits.numpy()
+        print(f'max |specjax - transformers|: float32 {np.abs(a - b).max():.2e}, '
+              f'float64 {np.abs(a - c).max():.2e} ({prompt[:20]!r})')  # fmt: skip
+        assert np.abs(a - c).max() < 1e-3, prompt
+        assert np.abs(a - b).max() < 2e-3, prompt
+        assert (a[0, -1].argmax(), b[0, -1].argmax()) == (c[0, -1].argmax(),) * 2
 
 
 def test_greedy_continuations_match_transformers(ours, theirs):
@@ -91,19 +101,21 @@ def test_greedy_continuations_match_transformers(ours, theirs):
     )
     mine = np.asarray(out.tokens)
     for i, r in enumerate(rows):
-        with torch.no_grad():
+        with torch.no_grad():  # stops at eos (specjax runs on: compare up to there)
             gen = hf.generate(
-                torch.tensor([r]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_id,
+                torch.tensor([r]), max_new_tokens=n, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=tok.pad_id,
             )  # fmt: skip
         ref = gen.sequences[0, len(r) :].numpy()
-        diff = np.flatnonzero(mine[i] != ref)
-        if diff.size:  # allowed only after a near tie in transformers' own scores
+        diff = np.flatnonzero(mine[i, : len(ref)] != ref)
+        if diff.size:  # allowed only after a near tie in transformers' own logits
             t = int(diff[0])
-            top2 = np.sort(gen.scores[t][0].numpy())[-2:]
+            top2 = np.sort(gen.logits[t][0].numpy())[-2:]
             gap = float(top2[1] - top2[0])
             print(f'prompt {i}: divergence at token {t} after a near tie (gap {gap:.2e})')
             assert gap < NEAR_TIE, (i, t, gap)
+        else:
+            print(f'prompt {i}: {len(ref)} greedy tokens identical')
         if i == 0:
             assert tok.decode(mine[i][:2]).strip().startswith('Paris')
 
