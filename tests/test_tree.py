@@ -1,5 +1,6 @@
 """Token-tree speculative sampling: exactness (enumerated target law, two tree shapes, ragged
-batch), negative controls on the sibling rule, greedy equivalences, KV compaction, bad trees."""
+batch), negative controls on the sibling rule, greedy equivalences (which also pin the per-row KV
+compaction), the ancestor-masked cached call against uncached scoring, bad trees."""
 
 from __future__ import annotations
 
@@ -98,6 +99,41 @@ def test_greedy_tree_equals_chain_and_autoregressive():
     np.testing.assert_array_equal(wide.lengths, ref.lengths)
     assert wide.stats['rounds'] < chain_out.stats['rounds']  # siblings rescue rejections
     check_tree_invariants(wide, DEEP, GREEDY_MAX_NEW)
+
+
+def test_tree_masked_cached_call_scores_every_path(highest_precision):
+    """One cached call over all nodes with the ancestor mask and positions = length + depth gives
+    each node the logits of uncached scoring of prompt + its root-to-node path."""
+    import jax
+    import jax.numpy as jnp
+    from sampling_models import full_logits
+
+    from specjax.models import apply_cached, init_cache
+    from specjax.sampling import tree as tr
+    from specjax.sampling.tree_speculative import tree_mask
+
+    target, _ = greedy_models()
+    t = tr.tables(check_tree(DEEP))
+    prompts, lengths = ragged_prompts(GREEDY_PROMPTS[:3], 3)
+    nodes = np.random.default_rng(0).integers(0, 17, (3, t.num_nodes)).astype(np.int32)
+    base = lengths - 1  # the root is each prompt's last token
+    tokens = np.concatenate([prompts[np.arange(3), base][:, None], nodes], 1)
+    cache = init_cache(target.config, 3, 24)
+    graphdef, params = split(target)
+    call = jax.jit(lambda *a: apply_cached(graphdef, params, *a))
+    _, cache = call(jnp.asarray(prompts), jnp.asarray(base), cache)
+    positions = jnp.asarray(base)[:, None] + jnp.asarray(t.depth)[None]
+    mask = tree_mask(t.ancestor, jnp.asarray(base), cache.capacity)
+    logits, _ = call(jnp.asarray(tokens), jnp.zeros(3, jnp.int32), cache, positions, mask)
+    seqs, ends = np.zeros((3 * (t.num_nodes + 1), 12), np.int32), []
+    for b in range(3):
+        for i in range(t.num_nodes + 1):
+            path = [j - 1 for j in range(1, t.num_nodes + 1) if t.ancestor[i, j]]
+            seq = [*prompts[b, : lengths[b]], *nodes[b, path]]
+            seqs[len(ends), : len(seq)] = seq  # right padding: causal, so harmless
+            ends.append(len(seq) - 1)
+    ref = np.asarray(full_logits(target, seqs))[np.arange(len(ends)), ends]
+    np.testing.assert_allclose(logits.reshape(len(ends), -1), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_tree_canonical_order():

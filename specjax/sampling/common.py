@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 from flax.nnx import graphlib
 
-from specjax.models import TransformerConfig, check_capacity
+from specjax.models import TransformerConfig, apply_cached, check_capacity
 from specjax.parallel import (
     DEFAULT_RULES,
     batch_sharding,
@@ -204,3 +204,26 @@ def first_eos_count(block_BT, count_B, eos_id):
     is_eos = (block_BT == eos_id) & (idx < count_B[:, None])
     first = jnp.where(is_eos.any(-1), jnp.argmax(is_eos, -1) + 1, count_B)
     return jnp.minimum(count_B, first).astype(jnp.int32)
+
+
+def draft_catch_up(dgd, dparams, cache, last_B, prev_B, pending_B, active_B, to_draft=None):
+    """Feeds the draft the 1-2 tokens it has not consumed -> (logits [B, V] after them, cache).
+
+    pending 2: prev then last; 1: last only. When no active row has 2 pending (always, after a
+    round that rejected something, at batch 1) a 1-token call replaces the 2-token one: a
+    2-token call costs more than one step on small-M matmuls.
+    """
+    to_draft = to_draft or (lambda t: t)
+    act = active_B.astype(jnp.int32)
+
+    def two_tokens(cache):
+        two = pending_B == 2
+        tokens = jnp.stack([jnp.where(two, prev_B, last_B), jnp.where(two, last_B, 0)], axis=1)
+        logits, cache = apply_cached(dgd, dparams, to_draft(tokens), pending_B * act, cache)
+        return jnp.take_along_axis(logits, (pending_B - 1)[:, None, None], axis=1)[:, 0], cache
+
+    def one_token(cache):
+        logits, cache = apply_cached(dgd, dparams, to_draft(last_B[:, None]), act, cache)
+        return logits[:, 0], cache
+
+    return jax.lax.cond(jnp.any((pending_B == 2) & active_B), two_tokens, one_token, cache)

@@ -22,13 +22,6 @@ def _normalise_or(r, fallback):
     return np.where(mass >= _EPS, r / np.where(mass >= _EPS, mass, 1.0), fallback)
 
 
-def _without_each(p):
-    """[..., V(x), V]: p with token x removed, renormalised (p itself if p(x) is all the mass)."""
-    vocab = p.shape[-1]
-    r = p[..., None, :] * (1.0 - np.eye(vocab))
-    return _normalise_or(r, p[..., None, :])
-
-
 def step_kernel(p, q, acceptance: Acceptance | str = 'probabilistic'):
     """One position's output split in two: (kept [..., V], replaced [..., V]), summing to a dist.
 
@@ -38,7 +31,7 @@ def step_kernel(p, q, acceptance: Acceptance | str = 'probabilistic'):
     acc = as_acceptance(acceptance)
     p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
     if acc.rule == 'argmax_draft':
-        q = np.eye(p.shape[-1])[np.argmax(q, -1)]
+        q = (np.arange(q.shape[-1]) == np.argmax(q, -1)[..., None]).astype(np.float64)
     safe_q = np.where(q > 0, q, 1.0)
     if acc.rule in ('probabilistic', 'argmax_draft', 'lenient'):
         eps = acc.lenience if acc.rule == 'lenient' else 1.0
@@ -51,14 +44,13 @@ def step_kernel(p, q, acceptance: Acceptance | str = 'probabilistic'):
         cut = np.minimum(acc.typical_threshold, acc.typical_alpha * np.exp(-ent))
         keep = (p > cut).astype(np.float64)
     kept = q * keep
-    reject_x = q * (1.0 - keep)  # [..., V(x)]
+    reject_x = q * (1.0 - keep)  # [..., V]: P(proposal x, rejected)
     if acc.rule == 'strict':
-        replaced = np.einsum('...x,...xv->...v', reject_x, _without_each(p))
-    elif acc.rule == 'argmax_draft':
-        replaced = reject_x.sum(-1, keepdims=True) * _normalise_or(np.maximum(p - q, 0), p)
+        # Rejected x emits y ~ p given y != x: sum_x q(x)(1 - p(x)) p(y)[y != x] / (1 - p(x)).
+        replaced = p * (1.0 - q)
     elif acc.rule == 'typical':
         replaced = reject_x.sum(-1, keepdims=True) * p
-    else:
+    else:  # the residual; for argmax_draft (q one-hot) it is p without x, renormalised
         replaced = reject_x.sum(-1, keepdims=True) * _normalise_or(np.maximum(p - q, 0), p)
     return kept, replaced
 

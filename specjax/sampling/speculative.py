@@ -213,13 +213,10 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
     and the returned q_i is its one-hot. x and q are in the target's vocabulary.
     """
     act = active.astype(jnp.int32)
-    pending, last, prev = state.draft_pending, state.last, state.prev
-    two = pending == 2
-    catch_up = jnp.stack([jnp.where(two, prev, last), jnp.where(two, last, 0)], axis=1)
-    logits, dcache = apply_cached(
-        dgd, dparams, vocab.to_draft(catch_up), pending * act, state.dcache
-    )
-    logits = jnp.take_along_axis(logits, (pending - 1)[:, None, None], axis=1)[:, 0]
+    logits, dcache = common.draft_catch_up(
+        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
+        vocab.to_draft,
+    )  # fmt: skip
 
     def draw(uniform_B, logits):
         logits = vocab.restrict(logits)

@@ -178,11 +178,10 @@ def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling):
     """Catch-up, then one draft call per depth < D -> (node tokens [B, N], q [B, F + 1, V] at the
     root and the fed nodes, draft cache with the F fed nodes written after the context)."""
     act = active.astype(jnp.int32)
-    pending, last, prev = state.draft_pending, state.last, state.prev
-    two = pending == 2
-    catch_up = jnp.stack([jnp.where(two, prev, last), jnp.where(two, last, 0)], axis=1)
-    logits, dcache = apply_cached(dgd, dparams, catch_up, pending * act, state.dcache)
-    logits = jnp.take_along_axis(logits, (pending - 1)[:, None, None], axis=1)[:, :1]  # [B,1,V]
+    logits, dcache = common.draft_catch_up(
+        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active
+    )
+    logits = logits[:, None]  # [B, 1, V]: the root
     base = dcache.lengths  # the context; fed node i sits at base + i - 1
     fed_ancestor = t.ancestor[1 : t.num_fed + 1, 1 : t.num_fed + 1]
     qs, tokens = [transform_logits(logits, sampling)], []

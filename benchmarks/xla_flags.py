@@ -1,8 +1,8 @@
 """c and v(k) under each XLA CPU flag set, each in a fresh process (flags apply at jax start-up).
 
-  python -m specjax.experiments.bench_xla_flags [--out=PATH] [--batch_sizes=1,8]
+  python -m benchmarks.xla_flags [--out=PATH] [--batch_sizes=1,8]
 
-Same models and arguments as specjax.experiments.bench_sampling (whose flags it accepts); prints
+Same models and arguments as benchmarks.sampling (whose flags it accepts); prints
 a markdown table and writes JSON. Flags checked to exist in jaxlib 0.10 (`strings` on
 libjax_common.so). About 10 minutes on the shared 2-core CPU.
 """
@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from specjax.experiments.bench_sampling import build_models, parser, setup_cache
+from benchmarks.sampling import build_models, parser, setup_cache
 
 XLA_FLAG_SETS = (
     '',
@@ -35,7 +35,7 @@ def compare_xla_flags(args) -> dict:
         cmd = [
             sys.executable,
             '-m',
-            'specjax.experiments.bench_xla_flags',
+            'benchmarks.xla_flags',
             '--only_vk',
             f'--out={path}',
             f'--preset={args.preset}',

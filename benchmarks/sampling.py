@@ -1,9 +1,9 @@
 """Sampling benchmark (not a test): loop overhead, v(k), and measured vs predicted speedup.
 
-  python -m specjax.experiments.bench_sampling [--out=PATH] [--batch_sizes=1,8] [--ks=4]
+  python -m benchmarks.sampling [--out=PATH] [--batch_sizes=1,8] [--ks=4]
       [--temperature=1.0] [--preset=default|tiny]
-  XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python -m specjax.experiments.bench_sampling
-  python -m specjax.experiments.bench_xla_flags   # c and v(k) under each XLA CPU flag set
+  XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python -m benchmarks.sampling
+  python -m benchmarks.xla_flags   # c and v(k) under each XLA CPU flag set
 
 On the default preset (random-init float32 target ~21M params, draft ~2.7M; prompt 16, 48 new
 tokens) it measures, for each batch size:
