@@ -3,6 +3,7 @@ stages' JSON, a rerun reuses every stage, and bad input fails before anything is
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -173,3 +174,13 @@ def test_missing_matplotlib_fails_before_training(tmp_path, monkeypatch):
 def test_break_even_counts_tokens_or_never():
     assert quickstart_report.break_even(10.0, 0.002) == f'{fmt(5000.0)} tokens'
     assert quickstart_report.break_even(10.0, -0.001).startswith('never')
+
+
+def test_preempted_stage_stops_the_run_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    stopped = dataclasses.replace(quickstart.STAGES[0], run=lambda cfg, wd, root: None)
+    monkeypatch.setattr(quickstart, 'STAGES', (stopped,) + quickstart.STAGES[1:])
+    config = _config()
+    config.stages = 'target,draft_ce'
+    assert quickstart.run(config, str(tmp_path / 'w')) == {'target': 'preempted'}
+    assert 'rerun the same command to resume' in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / 'w' / 'quickstart.json')

@@ -277,7 +277,8 @@ def _record_run(workdir: str, name: str, seconds: float, cpu_seconds: float) -> 
 
 
 def run(config, workdir: str) -> dict:
-    """The quickstart mode; returns {stage: 'ran' | 'reused'}."""
+    """The quickstart mode; returns {stage: 'ran' | 'reused' | 'preempted'} (stops after a
+    preempted stage: SIGTERM saves a checkpoint, and a rerun resumes from it)."""
     stages = selected(config)
     check_plotting()
     workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -302,7 +303,13 @@ def run(config, workdir: str) -> dict:
         stage.run(cfg, wd, workdir)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         if not os.path.exists(os.path.join(wd, stage.results)):
-            raise RuntimeError(f'stage {stage.name!r} ended without {stage.results} in {wd}')
+            print(
+                f'[quickstart] stage {stage.name} stopped before finishing (preempted: its '
+                f'checkpoint is in {wd}); rerun the same command to resume',
+                flush=True,
+            )
+            outcome[stage.name] = 'preempted'
+            return outcome
         if stage.name != 'report':
             _record_run(workdir, stage.name, seconds, cpu_seconds)
         progress.end(stage.name, seconds)
