@@ -1,1 +1,2 @@
-"""Benchmarks: modules you run (python -m benchmarks.x); not imported by the library."""
+"""Benchmarks you run (`python -m benchmarks.<name>`); they print a table and write JSON. Not
+imported by the library and not timed tests."""

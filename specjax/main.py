@@ -26,6 +26,7 @@ MODES = {
     'cotrain': 'specjax.distill.cotrain:run_cotrain',
     'spec_eval': 'specjax.experiments.spec_eval:run',
     'sweep': 'specjax.experiments.sweep:run',
+    'quickstart': 'specjax.experiments.quickstart:run',
 }
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file: path[:arg].')

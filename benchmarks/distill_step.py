@@ -1,7 +1,7 @@
 r"""Benchmark (not a test): what a distillation step costs against its parts, and what on-policy
 generation adds.
 
-  python -m specjax.distill.bench --target=small --draft=tiny --batch=16 --seq_len=128
+  python -m benchmarks.distill_step --target=small --draft=tiny --batch=16 --seq_len=128
 
 Times (median of --repeats after a warm-up, compile excluded), randomly initialised models:
   teacher_fwd    the teacher's forward on a [B, T] batch (logits kept on device)

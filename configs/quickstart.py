@@ -1,0 +1,213 @@
+r"""The main job: speculate, distill, or both? Every stage on the embedded corpus, one report.
+
+Run (2-core CPU; the corpus is prepared on first use; README, Quickstart, has measured times):
+
+  python -m specjax.main --config=configs/quickstart.py --workdir=/tmp/specjax/quickstart
+
+Stages, each in its own sub-workdir of --workdir and run by the existing mode functions:
+  target           pretrain the target (configs/target.py; mode pretrain)
+  draft_ce         a draft trained with next-token cross-entropy only (mode distill with
+                   kd_weight 0, ce_weight 1: same size, steps and data as draft_distilled)
+  draft_distilled  a draft distilled from the target: FKL on target-generated continuations,
+                   the best mean alpha at T = 1 of the DistillSpec ablation (README, Findings:
+                   0.653 [0.638, 0.664] vs cross-entropy 0.538 [0.521, 0.549])
+  cotrain          a target-draft pair trained together from scratch (mode cotrain) for the
+                   target's steps: matched compute with target + draft_distilled (report gives
+                   the measured seconds of each)
+  spec_ce, spec_distilled, spec_cotrain
+                   mode spec_eval for each pair: acceptance per position, sampling, domain and
+                   length; tau; measured and predicted speedup for every k; c and v(k)
+  serve            time to first token, time per output token, tokens/s at batch 1 and 8 of the
+                   target alone, the distilled draft alone and both speculative pairs; samples
+  report           <workdir>/report.md and <workdir>/plots/*.png, from the stages' JSON only
+
+A rerun with the same --workdir skips finished stages (results present) and resumes a stage
+with a checkpoint but no results. A workdir whose stages were run with another config is refused
+before anything runs. Run some stages only with --config.stages=serve,report (their
+prerequisites must be finished).
+
+Presets (`:size=...`):
+  full   (default) a 1.6M-param target and 0.4M-param drafts (README, Quickstart).
+  tiny   every stage in seconds: a smoke run (under 3 minutes on the 2-core CPU).
+Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# size: target (d_model, n_layers, n_heads, n_kv_heads, d_ff, steps, batch), draft preset,
+# draft steps, cotrain draft steps = target steps; generated tokens; spec_eval ks.
+_PRESETS = {
+    'full': dict(
+        target=(192, 2, 4, 2, 512, 400, 16),
+        seq_len=128,
+        draft='tiny',
+        draft_steps=200,
+        new_tokens=48,
+        ks=(1, 2, 3, 4, 6),
+        prompts_per_domain=8,
+        vocab_size=4096,
+    ),
+    'tiny': dict(
+        target=(64, 2, 4, 2, 256, 60, 8),
+        seq_len=64,
+        draft='test',
+        draft_steps=30,
+        new_tokens=16,
+        ks=(1, 2, 4),
+        prompts_per_domain=4,
+        vocab_size=1024,
+    ),
+}
+
+# Stage durations measured on the 2-core CPU (seconds; the ETA rescales them by how the
+# finished stages compared with their estimate).
+_ESTIMATES = {
+    'full': dict(
+        target=120,
+        draft_ce=45,
+        draft_distilled=150,
+        cotrain=150,
+        spec_ce=80,
+        spec_distilled=60,
+        spec_cotrain=60,
+        serve=60,
+        report=5,
+    ),
+    'tiny': dict(
+        target=15,
+        draft_ce=15,
+        draft_distilled=20,
+        cotrain=20,
+        spec_ce=25,
+        spec_distilled=15,
+        spec_cotrain=15,
+        serve=20,
+        report=3,
+    ),
+}
+
+
+def _load(name: str, arg: str) -> ml_collections.ConfigDict:
+    path = os.path.join(_HERE, f'{name}.py')
+    spec = importlib.util.spec_from_file_location(f'specjax_configs_{name}', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def _size(arg) -> str:
+    key, _, value = (
+        (arg or 'size=full').partition('=') if '=' in (arg or '=') else ('size', '', arg)
+    )
+    if key != 'size' or value not in _PRESETS:
+        raise ValueError(
+            f'configs/quickstart.py argument {arg!r}: expected size={"|".join(_PRESETS)}'
+        )
+    return value
+
+
+def _train(t, steps: int, batch: int, lr: float, evals: int) -> None:
+    t.steps = steps
+    t.batch_size = batch
+    t.lr = lr
+    t.warmup_steps = max(steps // 10, 1)
+    t.log_every = max(steps // 10, 1)
+    t.eval_every = max(steps // evals, 1)  # alpha over training steps (metrics.jsonl)
+    t.eval_batches = 4
+    t.checkpoint_every = steps
+    t.async_checkpointing = False
+
+
+def _distill(size: str, p: dict, ce_only: bool) -> ml_collections.ConfigDict:
+    c = _load('distill', f'size={p["draft"]}')
+    c.data.seq_len = p['seq_len']
+    c.draft.max_len = p['seq_len']
+    _train(c.train, p['draft_steps'], 16 if size == 'full' else 8, 3e-3, 4)
+    d = c.distill
+    d.prompt_len = 32 if size == 'full' else 16
+    d.max_new_tokens = p['new_tokens']
+    d.eval_temperatures = (0.0, 1.0)  # held-out alpha during training (metrics.jsonl)
+    d.eval_generate_batches = 0  # spec_eval measures acceptance on generated text ...
+    d.final_spec_k = 0  # ... and runs the speculative sampler for every pair
+    d.calibrate = False
+    if ce_only:  # the cross-entropy baseline of the DistillSpec ablation (configs/ablations)
+        d.kd_weight, d.ce_weight, d.source = 0.0, 1.0, 'dataset'
+    else:  # best mean alpha_T1 of the ablation: FKL on target-generated data
+        d.divergence, d.source = 'fkl', 'teacher'
+    return c
+
+
+def get_config(arg=None) -> ml_collections.ConfigDict:
+    size = _size(arg)
+    p = _PRESETS[size]
+    c = ml_collections.ConfigDict()
+    c.mode = 'quickstart'  # specjax.main dispatches on this
+    c.size = size  # preset name (recorded in the report)
+    c.stages = 'all'  # 'all' or comma-separated stage names (prerequisites must be finished)
+    c.compilation_cache = '~/.cache/specjax/jax-cache'  # persistent XLA cache ('' = off)
+
+    c.data = _load('target', 'size=tiny').data  # shared by every stage (seq_len per stage)
+    c.data.vocab_size = p['vocab_size']
+    c.data.seq_len = p['seq_len']
+
+    d_model, n_layers, n_heads, n_kv_heads, d_ff, steps, batch = p['target']
+    c.target = _load('target', 'size=small')  # a pretrain config; model shrunk for the CPU
+    c.target.data.seq_len = p['seq_len']
+    m = c.target.model
+    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff = (
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        d_ff,
+    )
+    m.max_len = p['seq_len']
+    _train(c.target.train, steps, batch, 3e-3, 4)
+
+    c.draft_ce = _distill(size, p, ce_only=True)  # a distill config (kd_weight 0)
+    c.draft_distilled = _distill(size, p, ce_only=False)  # a distill config (FKL, teacher)
+
+    c.cotrain = _load('cotrain', 'size=small')  # a cotrain config: same target, same draft
+    c.cotrain.model = ml_collections.ConfigDict(c.target.model.to_dict())
+    c.cotrain.model.vocab_size = c.cotrain.data.get_ref('vocab_size')
+    c.cotrain.draft = ml_collections.ConfigDict(c.draft_distilled.draft.to_dict())
+    c.cotrain.draft.vocab_size = c.cotrain.data.get_ref('vocab_size')
+    c.cotrain.data.seq_len = p['seq_len']
+    _train(c.cotrain.train, steps, batch, 3e-3, 4)
+    c.cotrain.distill.prompt_len = c.draft_distilled.distill.prompt_len
+    c.cotrain.distill.max_new_tokens = p['new_tokens']
+    c.cotrain.distill.eval_temperatures = (0.0, 1.0)
+    c.cotrain.distill.eval_generate_batches = 0
+    c.cotrain.distill.final_spec_k = 0
+    c.cotrain.distill.calibrate = False
+
+    c.spec_eval = _load('spec_eval', 'checkpoints')  # template for spec_ce/_distilled/_cotrain
+    ev = c.spec_eval.eval
+    ev.prompts_per_domain = p['prompts_per_domain']
+    ev.prompt_len_min, ev.prompt_len_max = (16, 48) if size == 'full' else (8, 24)
+    ev.max_new_tokens = p['new_tokens']
+    ev.batch_size = 8
+    ev.ks = p['ks']
+    ev.samplings = ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 1.0), (1.0, 0, 0.9))
+    ev.prompt_len_edges = (32,) if size == 'full' else (16,)
+    ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
+    ev.timing_repeats = 3 if size == 'full' else 2
+    ev.calibration_repeats = 5 if size == 'full' else 3
+
+    c.serve = ml_collections.ConfigDict()  # latency and memory of what would be deployed
+    c.serve.batch_sizes = (1, 8)  # rows per call
+    c.serve.max_new_tokens = p['new_tokens']  # output tokens per row (no eos stop: fixed length)
+    c.serve.temperature = 0.0  # greedy: speculative output must equal the target's
+    c.serve.k = 0  # draft length; 0 = spec_distilled's best measured k at T=0
+    c.serve.repeats = 5 if size == 'full' else 3  # timed passes (median)
+    c.serve.samples = 2  # prompts whose continuations the report shows side by side
+
+    c.report = ml_collections.ConfigDict()
+    c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)  # k grid of the accelerator model
+    c.estimates = ml_collections.ConfigDict(_ESTIMATES[size])  # seconds per stage, for the ETA
+    return c

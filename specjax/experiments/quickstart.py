@@ -1,0 +1,318 @@
+"""The quickstart mode: every stage of "speculate, distill, or both?" in one workdir, then a report.
+
+Each stage runs an existing mode function (pretrain, distill, cotrain, spec_eval) or the serving
+measurement in <workdir>/<stage>/ with its own config section of the quickstart config
+(configs/quickstart.py). A stage is finished when its results file exists; a stage with a
+checkpoint but no results resumes (the modes resume from their checkpoints). Each stage's config
+is recorded in <workdir>/<stage>/quickstart_stage.json before it starts: a rerun with another
+config for a started stage is refused before anything runs, so nothing is overwritten.
+<workdir>/quickstart.json records the seconds each stage took (the report's run times).
+
+Entry point: `run(config, workdir)` (mode 'quickstart').
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Callable
+
+import ml_collections
+
+from specjax.experiments import report as report_lib
+
+STAGE_FILE = 'quickstart_stage.json'
+RUN_FILE = 'quickstart.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    section: str  # config section holding the stage's config ('' = none)
+    results: str  # file in the stage workdir whose presence means finished
+    prereqs: tuple[str, ...]
+    run: Callable  # (stage_config, stage_workdir, workdir) -> None
+
+
+def _pretrain(cfg, wd, root):
+    from specjax.train.pretrain import pretrain
+
+    pretrain(cfg, wd)
+
+
+def _distill(cfg, wd, root):
+    from specjax.distill.modes import run_distill
+
+    cfg.distill.teacher_workdir = os.path.join(root, 'target')
+    run_distill(cfg, wd)
+
+
+def _cotrain(cfg, wd, root):
+    from specjax.distill.cotrain import run_cotrain
+
+    run_cotrain(cfg, wd)
+
+
+def _spec_eval(target: str, draft: str, cotrained: bool):
+    def run(cfg, wd, root):
+        from specjax.experiments import spec_eval
+
+        cfg.target_workdir = os.path.join(root, target)
+        cfg.draft_workdir = os.path.join(root, draft)
+        if cotrained:
+            cfg.draft_params_key, cfg.draft_config_key = 'draft_params', 'draft_config'
+        spec_eval.run(cfg, wd)
+
+    return run
+
+
+def _serve(cfg, wd, root):
+    from specjax.experiments import serving
+
+    serving.run(cfg, wd, root)
+
+
+def _report(cfg, wd, root):
+    from specjax.experiments import quickstart_report
+
+    quickstart_report.write(root)
+
+
+STAGES = (
+    Stage('target', 'target', 'results.json', (), _pretrain),
+    Stage('draft_ce', 'draft_ce', 'results.json', ('target',), _distill),
+    Stage('draft_distilled', 'draft_distilled', 'results.json', ('target',), _distill),
+    Stage('cotrain', 'cotrain', 'results.json', (), _cotrain),
+    Stage(
+        'spec_ce',
+        'spec_eval',
+        'spec_eval.json',
+        ('target', 'draft_ce'),
+        _spec_eval('target', 'draft_ce', False),
+    ),
+    Stage(
+        'spec_distilled',
+        'spec_eval',
+        'spec_eval.json',
+        ('target', 'draft_distilled'),
+        _spec_eval('target', 'draft_distilled', False),
+    ),
+    Stage(
+        'spec_cotrain',
+        'spec_eval',
+        'spec_eval.json',
+        ('cotrain',),
+        _spec_eval('cotrain', 'cotrain', True),
+    ),
+    Stage(
+        'serve',
+        'serve',
+        'serve.json',
+        ('target', 'draft_ce', 'draft_distilled', 'spec_distilled'),
+        _serve,
+    ),
+    Stage(
+        'report',
+        '',
+        'report.md',
+        (
+            'target',
+            'draft_ce',
+            'draft_distilled',
+            'cotrain',
+            'spec_ce',
+            'spec_distilled',
+            'spec_cotrain',
+            'serve',
+        ),
+        _report,
+    ),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+class StageError(ValueError):
+    """A stage cannot run: prerequisite missing or the workdir holds another config's results."""
+
+
+def stage_config(config, stage: Stage):
+    """The config a stage's mode function receives: its section, with the shared data fields."""
+    if stage.name == 'serve':
+        cfg = ml_collections.ConfigDict(config.serve.to_dict())
+        cfg.data = copy.deepcopy(config.spec_eval.data)
+        cfg.eval = copy.deepcopy(config.spec_eval.eval)
+        cfg.mesh = copy.deepcopy(config.spec_eval.mesh)
+        cfg.seed = config.spec_eval.seed
+    elif not stage.section:
+        return copy.deepcopy(config.report)
+    else:
+        cfg = copy.deepcopy(config[stage.section])
+    for key, value in config.data.items():
+        if key != 'seq_len':
+            cfg.data[key] = value
+    return cfg
+
+
+def _identity(cfg) -> dict:
+    return json.loads(json.dumps(report_lib.jsonable(cfg.to_dict()), sort_keys=True))
+
+
+def _first_difference(saved, current, path='') -> str | None:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            diff = _first_difference(saved.get(key), current.get(key), f'{path}.{key}')
+            if diff:
+                return diff
+        return None
+    return None if saved == current else f'{path[1:]}: {saved!r} in the workdir, {current!r} now'
+
+
+def selected(config) -> list[Stage]:
+    """The stages config.stages asks for, in pipeline order; ValueError on unknown names."""
+    names = STAGE_NAMES if config.stages == 'all' else [s.strip() for s in config.stages.split(',')]
+    unknown = [n for n in names if n not in STAGE_NAMES]
+    if unknown or not names:
+        raise ValueError(
+            f'config.stages={config.stages!r}: unknown stage(s) {unknown}; '
+            f"use 'all' or a comma-separated subset of {list(STAGE_NAMES)}"
+        )
+    return [s for s in STAGES if s.name in names]
+
+
+def stage_dir(workdir: str, stage: Stage) -> str:
+    """<workdir>/<stage>; the report is written into the workdir itself."""
+    return workdir if stage.name == 'report' else os.path.join(workdir, stage.name)
+
+
+def check_workdir(config, workdir: str, stages: list[Stage]) -> dict[str, bool]:
+    """Raises StageError for a recorded stage whose config differs or a missing prerequisite.
+
+    Returns stage name -> finished. Runs before any stage, so a refused run writes nothing.
+    """
+    done = {}
+    for stage in STAGES:
+        wd = stage_dir(workdir, stage)
+        done[stage.name] = os.path.exists(os.path.join(wd, stage.results))
+        record = os.path.join(wd, STAGE_FILE)
+        if stage.name == 'report' or not os.path.exists(record):
+            continue
+        with open(record) as f:
+            saved = json.load(f)['config']
+        diff = _first_difference(saved, _identity(stage_config(config, stage)))
+        if diff:
+            raise StageError(
+                f'{workdir} holds stage {stage.name!r} of a different config ({diff}): use a '
+                'new --workdir, or rerun with the config that made it'
+            )
+    chosen = {s.name for s in stages}
+    for stage in stages:
+        for pre in stage.prereqs:
+            if pre not in chosen and not done[pre]:
+                raise StageError(
+                    f'stage {stage.name!r} needs stage {pre!r}, which has not finished '
+                    f'({os.path.join(workdir, pre)} has no results): run it first, e.g. '
+                    f'--config.stages={pre},{stage.name}'
+                )
+    return done
+
+
+def check_plotting() -> None:
+    """ImportError before any training when matplotlib (the report's plots) is missing."""
+    if importlib.util.find_spec('matplotlib') is None:
+        raise ImportError(
+            'the quickstart report needs matplotlib for its plots, and it is not installed: '
+            "pip install matplotlib (or pip install -e '.' to get specjax's dependencies)"
+        )
+
+
+def _enable_cache(path: str) -> None:
+    if path:
+        import jax
+
+        jax.config.update('jax_compilation_cache_dir', os.path.expanduser(path))
+        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+class Progress:
+    """Stage-by-stage progress with an ETA: the estimates, rescaled by finished stages' pace."""
+
+    def __init__(self, stages: list[Stage], estimates, done: dict[str, bool]):
+        self.todo = [s.name for s in stages if not (done[s.name] and s.name != 'report')]
+        self.estimates = {n: float(estimates.get(n, 60.0)) for n in self.todo}
+        self.started = time.perf_counter()
+        self.spent_est = self.spent = 0.0
+
+    def begin(self, name: str) -> None:
+        i = self.todo.index(name) + 1
+        pace = self.spent / self.spent_est if self.spent_est else 1.0
+        remaining = pace * sum(self.estimates[n] for n in self.todo[i - 1 :])
+        print(
+            f'[quickstart] stage {i}/{len(self.todo)} {name}: ~{pace * self.estimates[name]:.0f} s;'
+            f' elapsed {time.perf_counter() - self.started:.0f} s, ETA {remaining:.0f} s',
+            flush=True,
+        )
+
+    def end(self, name: str, seconds: float) -> None:
+        self.spent += seconds
+        self.spent_est += self.estimates[name]
+        print(f'[quickstart] {name} done in {seconds:.0f} s', flush=True)
+
+
+def _record_run(workdir: str, name: str, seconds: float, cpu_seconds: float) -> None:
+    """Wall and process CPU seconds per stage (CPU time is what a shared machine inflates least)."""
+    path = os.path.join(workdir, RUN_FILE)
+    record = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            record = json.load(f)
+    record.setdefault('stage_seconds', {})[name] = seconds
+    record.setdefault('stage_cpu_seconds', {})[name] = cpu_seconds
+    record['load_average'] = os.getloadavg()
+    record['cpu_count'] = os.cpu_count()
+    report_lib.write_json(path, record)
+
+
+def run(config, workdir: str) -> dict:
+    """The quickstart mode; returns {stage: 'ran' | 'reused' | 'preempted'} (stops after a
+    preempted stage: SIGTERM saves a checkpoint, and a rerun resumes from it)."""
+    stages = selected(config)
+    check_plotting()
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    done = check_workdir(config, workdir, stages)
+    _enable_cache(config.compilation_cache)
+    progress = Progress(stages, config.estimates, done)
+    outcome = {}
+    for stage in stages:
+        wd = stage_dir(workdir, stage)
+        if done[stage.name] and stage.name != 'report':
+            print(f'[quickstart] {stage.name}: finished earlier, reused ({wd})', flush=True)
+            outcome[stage.name] = 'reused'
+            continue
+        cfg = stage_config(config, stage)
+        os.makedirs(wd, exist_ok=True)
+        if stage.name != 'report':
+            report_lib.write_json(
+                os.path.join(wd, STAGE_FILE), {'stage': stage.name, 'config': _identity(cfg)}
+            )
+        progress.begin(stage.name)
+        t0, c0 = time.perf_counter(), time.process_time()
+        stage.run(cfg, wd, workdir)
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        if not os.path.exists(os.path.join(wd, stage.results)):
+            print(
+                f'[quickstart] stage {stage.name} stopped before finishing (preempted: its '
+                f'checkpoint is in {wd}); rerun the same command to resume',
+                flush=True,
+            )
+            outcome[stage.name] = 'preempted'
+            return outcome
+        if stage.name != 'report':
+            _record_run(workdir, stage.name, seconds, cpu_seconds)
+        progress.end(stage.name, seconds)
+        outcome[stage.name] = 'ran'
+    print(f'[quickstart] report: {os.path.join(workdir, "report.md")}', flush=True)
+    return outcome

@@ -1,0 +1,607 @@
+"""report.md for the quickstart, generated only from the JSON its stages wrote (no typed numbers).
+
+Reads <root>/<stage>/{results,spec_eval,serve}.json, the distill/cotrain metrics.jsonl (alpha over
+training steps) and <root>/quickstart.json (seconds per stage); writes <root>/report.md and
+<root>/plots/*.png (specjax.experiments.quickstart_plots). Numbers are printed with
+specjax.experiments.report.fmt (3 significant digits), so they can be traced back to the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from specjax.experiments.report import fmt, markdown_table
+from specjax.sampling import stats as st
+
+PAIRS = {  # spec_eval stage -> (label, training stage of the draft)
+    'spec_ce': ('cross-entropy draft', 'draft_ce'),
+    'spec_distilled': ('distilled draft', 'draft_distilled'),
+    'spec_cotrain': ('co-trained pair', 'cotrain'),
+}
+REF_K = 4  # k of the bucket tables (or the largest evaluated k below it)
+SERVE_NAMES = {
+    'target': 'target alone (autoregressive)',
+    'draft_distilled': 'distilled draft alone (replacement)',
+    'draft_ce': 'cross-entropy draft alone',
+    'spec_ce': 'target + CE draft (speculative)',
+    'spec_distilled': 'target + distilled draft (both)',
+}
+MIB = 2.0**20
+
+
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load(root: str) -> dict:
+    """Every JSON the report reads, by stage name."""
+    d = {'run': _json(os.path.join(root, 'quickstart.json'))}
+    for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain'):
+        d[stage] = _json(os.path.join(root, stage, 'results.json'))
+    for stage in PAIRS:
+        d[stage] = _json(os.path.join(root, stage, 'spec_eval.json'))
+    d['serve'] = _json(os.path.join(root, 'serve', 'serve.json'))
+    d['curves'] = {s: alpha_curve(root, s) for s in ('draft_ce', 'draft_distilled', 'cotrain')}
+    return d
+
+
+def alpha_curve(root: str, stage: str) -> list[dict]:
+    """Eval rows of <root>/<stage>/metrics.jsonl: [{'step', 'alpha_T0', 'alpha_T1'}]."""
+    rows = []
+    path = os.path.join(root, stage, 'metrics.jsonl')
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if row.get('split') == 'eval' and 'alpha_T1' in row:
+                    rows.append({k: row.get(k) for k in ('step', 'alpha_T0', 'alpha_T1')})
+    return sorted({r['step']: r for r in rows}.values(), key=lambda r: r['step'])
+
+
+def spec_runs(spec: dict, label: str) -> list[dict]:
+    return sorted(
+        (r for r in spec['runs'] if r['sampling_label'] == label and r['method'] == 'speculative'),
+        key=lambda r: r['k'],
+    )
+
+
+def ar_run(spec: dict, label: str) -> dict:
+    return next(
+        r for r in spec['runs'] if r['sampling_label'] == label and r['method'] != 'speculative'
+    )
+
+
+def labels(spec: dict) -> list[str]:
+    return list(dict.fromkeys(r['sampling_label'] for r in spec['runs']))
+
+
+def ref_k(spec: dict) -> int:
+    ks = sorted({r['k'] for r in spec['runs'] if r['k']})
+    return max([k for k in ks if k <= REF_K] or ks[:1])
+
+
+def run_at(spec: dict, label: str, k: int) -> dict:
+    return next(r for r in spec_runs(spec, label) if r['k'] == k)
+
+
+def flop_ratio(spec: dict) -> float:
+    """Draft / target forward FLOPs per token ~ parameter ratio (tied head counted once)."""
+    return spec['models']['draft']['num_params'] / spec['models']['target']['num_params']
+
+
+def accelerator_model(spec: dict, label: str, ks) -> dict:
+    """Predicted speedup with v(k) = 1 and c = FLOP ratio, from the measured alpha: a model."""
+    alpha = spec['optimal_k'][label]['alpha'] or 0.0
+    c = flop_ratio(spec)
+    speedups = st.predicted_speedups(alpha, c, {int(k): 1.0 for k in ks})
+    return {
+        'alpha': alpha,
+        'c': c,
+        'speedups': speedups,
+        'optimal_k': st.optimal_k(alpha, c, {int(k): 1.0 for k in ks}),
+    }
+
+
+def serve_row(serve: dict, method: str, batch: int) -> dict:
+    return next(r for r in serve['rows'] if r['method'] == method and r['batch_size'] == batch)
+
+
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def _mib(x):
+    return None if x is None else x / MIB
+
+
+def _peak(row: dict):
+    return row['memory'].get('peak_estimate_bytes')
+
+
+def break_even(train_s: float, saved_s_per_token: float) -> str:
+    """Tokens to serve before training pays: train seconds / seconds saved per token."""
+    if not saved_s_per_token or saved_s_per_token <= 0:
+        return 'never (no time saved per token)'
+    return f'{fmt(train_s / saved_s_per_token)} tokens'
+
+
+def section_setup(d: dict) -> list[str]:
+    t, sv = d['target'], d['serve']
+    rows = [
+        ['target', sv['num_params']['target'], t['eval'].get('loss'), '-'],
+        [
+            'cross-entropy draft',
+            sv['num_params']['draft_ce'],
+            d['draft_ce']['draft_val_loss'],
+            d['draft_ce']['alpha_T1'],
+        ],
+        [
+            'distilled draft',
+            sv['num_params']['draft_distilled'],
+            d['draft_distilled']['draft_val_loss'],
+            d['draft_distilled']['alpha_T1'],
+        ],
+        [
+            'co-trained target',
+            d['cotrain']['num_params_target'],
+            d['cotrain']['target_val_loss'],
+            '-',
+        ],
+        [
+            'co-trained draft',
+            d['cotrain']['num_params_draft'],
+            d['cotrain']['draft_val_loss'],
+            d['cotrain']['alpha_T1'],
+        ],
+    ]
+    secs = d['run']['stage_seconds']
+    cpu = d['run'].get('stage_cpu_seconds', {})
+    load = ', '.join(fmt(x) for x in d['run'].get('load_average', ()))
+    env = d['spec_distilled']['environment']
+    return [
+        '## Models and run times',
+        '',
+        markdown_table(
+            ['model', 'params', 'validation loss (nats)', 'alpha_T1 vs its target'], rows
+        ),
+        '',
+        f'Count-bigram baseline {fmt(t["baselines"].get("bigram"))} nats, unigram '
+        f'{fmt(t["baselines"].get("unigram"))} nats (same validation tokens as the target).',
+        '',
+        markdown_table(
+            ['stage', 'wall seconds', 'process CPU seconds'],
+            [[k, v, cpu.get(k)] for k, v in secs.items()]
+            + [['total', sum(secs.values()), sum(cpu.values()) if cpu else None]],
+        ),
+        '',
+        f'Load average at the end of the last stage: {load} on {d["run"].get("cpu_count")} '
+        'cores (above the core count the machine was shared and wall times are inflated; CPU '
+        'seconds are inflated less).',
+        '',
+        f'Hardware: {env["backend"]} ({env["device_kind"]}), {env["cpu_count"]} CPU cores, jax '
+        f'{env["jax_version"]}. Timings on a shared machine swing; compare ratios within a table.',
+    ]
+
+
+def section_speculative(d: dict) -> list[str]:
+    out = ['## Speculative decoding with each draft', '']
+    first = d['spec_distilled']
+    cal = first['calibration']
+    k = ref_k(first)
+    out += [
+        f'**On this {first["environment"]["backend"].upper()} verification is not free**: '
+        f'scoring k + 1 tokens in one target call costs v(k) single decode steps, measured '
+        f'v({k}) = {fmt(cal["v"].get(str(k)))} (accelerators: v close to 1), and '
+        f'one draft step costs c = {fmt(cal["c"])} target steps (distilled pair, batch '
+        f'{cal["batch_size"]}). Measured speedups below include both costs.',
+        '',
+    ]
+    for stage, (name, _) in PAIRS.items():
+        spec = d[stage]
+        cal = spec['calibration']
+        out += [f'### {name} (`{stage}`)', '']
+        out += [
+            f'c = {fmt(cal["c"])}; v(k) = '
+            + ', '.join(f'{k}: {fmt(x)}' for k, x in cal['v'].items())
+            + '. `*` = best measured k, `+` = predicted optimal k (tau / (k c + v(k))).',
+            '',
+        ]
+        rows = []
+        for label in labels(spec):
+            ar = ar_run(spec, label)
+            opt = spec['optimal_k'][label]
+            rows.append(
+                [label, 'AR', '-', ar['alpha'], '-', '-', _ms(ar['time_per_token_s']), 1.0, '-']
+            )
+            for r in spec_runs(spec, label):
+                mark = ('*' if r['k'] == opt['best_measured_k'] else '') + (
+                    '+' if r['k'] == opt['predicted_optimal_k'] else ''
+                )
+                rows.append(
+                    [
+                        label,
+                        f'{r["k"]}{mark}',
+                        r['acceptance_rate'],
+                        r['alpha'],
+                        r['block_efficiency'],
+                        r['expected_block_efficiency'],
+                        _ms(r['time_per_token_s']),
+                        r['measured_speedup'],
+                        r['predicted_speedup'],
+                    ]
+                )
+        out += [
+            markdown_table(
+                [
+                    'sampling',
+                    'k',
+                    'acceptance',
+                    'alpha',
+                    'tau',
+                    'E[tau](alpha)',
+                    'ms/token (B=8)',
+                    'measured speedup',
+                    'predicted speedup',
+                ],
+                rows,
+            ),
+            '',
+        ]
+    out += section_buckets(d)
+    out += section_accelerator(d)
+    return out
+
+
+def section_buckets(d: dict) -> list[str]:
+    out = []
+    k = ref_k(d['spec_distilled'])
+    rows = []
+    for stage, (name, _) in PAIRS.items():
+        spec = d[stage]
+        for label in labels(spec):
+            r = run_at(spec, label, max(x['k'] for x in spec_runs(spec, label)))
+            rows.append([name, label, r['k']] + r['acceptance_per_position_conditional'])
+    width = max(len(r) for r in rows) - 3
+    out += [
+        '### Acceptance per position (conditional: accepted at i given i was examined)',
+        '',
+        markdown_table(
+            ['draft', 'sampling', 'k'] + [f'pos {i + 1}' for i in range(width)],
+            [r + ['-'] * (width + 3 - len(r)) for r in rows],
+        ),
+        '',
+        f'### Acceptance by temperature and top-p (k = {k})',
+        '',
+    ]
+    rows = []
+    for stage, (name, _) in PAIRS.items():
+        for label in labels(d[stage]):
+            r = run_at(d[stage], label, k)
+            rows.append([name, label, r['acceptance_rate'], r['alpha'], r['block_efficiency']])
+    out += [markdown_table(['draft', 'sampling', 'acceptance', 'alpha', 'tau'], rows), '']
+    for bucket, title in (
+        ('domain', 'domain'),
+        ('prompt_len', 'prompt length (tokens)'),
+        ('gen_len', 'generated length (tokens)'),
+    ):
+        rows = []
+        for stage, (name, _) in PAIRS.items():
+            for b in d[stage]['buckets'][bucket]:
+                if b['k'] == k:
+                    rows.append(
+                        [
+                            name,
+                            b['sampling_label'],
+                            b[bucket],
+                            b['rows'],
+                            b['acceptance_rate'],
+                            b['block_efficiency'],
+                        ]
+                    )
+        out += [
+            f'### Acceptance by {title} (k = {k})',
+            '',
+            markdown_table(['draft', 'sampling', bucket, 'prompts', 'acceptance', 'tau'], rows),
+            '',
+        ]
+    return out
+
+
+def section_accelerator(d: dict) -> list[str]:
+    ks = d['config_ks']
+    out = [
+        '### The same alpha on an accelerator (a model, not a measurement)',
+        '',
+        'Predicted speedup = E[tau](alpha) / (k c + v) with v = 1 (verification as cheap as one '
+        'step) and c = draft / target forward FLOPs per token (parameter ratio, tied head '
+        'counted once), alpha as measured above.',
+        '',
+    ]
+    rows = []
+    for stage, (name, _) in PAIRS.items():
+        spec = d[stage]
+        for label in labels(spec):
+            m = accelerator_model(spec, label, ks)
+            rows.append(
+                [name, label, m['alpha'], m['c'], m['optimal_k']] + [m['speedups'][k] for k in ks]
+            )
+    out += [
+        markdown_table(
+            ['draft', 'sampling', 'alpha', 'c (FLOPs)', 'optimal k'] + [f'k={k}' for k in ks], rows
+        ),
+        '',
+    ]
+    return out
+
+
+def section_serving(d: dict) -> list[str]:
+    sv = d['serve']
+    mode = 'greedy' if sv['sampling']['temperature'] == 0 else 'sampled'
+    rows = []
+    for r in sv['rows']:
+        rows.append(
+            [
+                SERVE_NAMES[r['method']],
+                r['batch_size'],
+                r['k'] or '-',
+                _ms(r['ttft_s']),
+                _ms(r['tpot_s']),
+                r['tokens_per_s'],
+                _mib(_peak(r)),
+                r['same_tokens_as_target'],
+            ]
+        )
+    return [
+        f'## Serving: latency, throughput, memory ({mode}, {sv["max_new_tokens"]} output '
+        f'tokens, k = {sv["k"]})',
+        '',
+        markdown_table(
+            [
+                'method',
+                'batch',
+                'k',
+                'TTFT ms',
+                'TPOT ms',
+                'tokens/s',
+                'peak memory MiB (params + caches + temps)',
+                'tokens equal to target',
+            ],
+            rows,
+        ),
+        '',
+        'Parameters: '
+        + ', '.join(f'{n} {fmt(_mib(b))} MiB' for n, b in sv['param_bytes'].items())
+        + f'. Process peak RSS {fmt(_mib(sv["process_memory"]["peak_rss_bytes"]))} MiB.',
+        '',
+    ]
+
+
+def section_replacement(d: dict) -> list[str]:
+    sv = d['serve']
+    b1 = min(r['batch_size'] for r in sv['rows'])
+    bn = max(r['batch_size'] for r in sv['rows'])
+    rows = []
+    s1, sn = serve_row(sv, 'draft_distilled', b1), serve_row(sv, 'draft_distilled', bn)
+    for name, stage in (
+        ('distilled draft', 'draft_distilled'),
+        ('cross-entropy draft', 'draft_ce'),
+    ):
+        r = d[stage]
+        speed = [_ms(s1['tpot_s']), sn['tokens_per_s'], _mib(_peak(s1))]
+        rows.append(
+            [name, r['draft_val_loss'], r['target_val_loss'], r['alpha_T0'], 1 - r['alpha_T1']]
+            + (speed if stage == 'draft_distilled' else ['same as distilled'] * 3)
+        )
+    t1, tn = serve_row(sv, 'target', b1), serve_row(sv, 'target', bn)
+    rows.append(
+        [
+            'target (reference)',
+            d['target']['eval'].get('loss'),
+            '-',
+            1.0,
+            0.0,
+            _ms(t1['tpot_s']),
+            tn['tokens_per_s'],
+            _mib(_peak(t1)),
+        ]
+    )
+    out = [
+        '## Distillation as replacement: the draft served alone',
+        '',
+        'Token agreement = argmax agreement with the target on held-out text (alpha_T0); mean TV '
+        '= 1 - alpha_T1.',
+        '',
+        markdown_table(
+            [
+                'model',
+                'validation loss',
+                "target's loss (same tokens)",
+                'token agreement',
+                'mean TV',
+                f'TPOT ms (B={b1})',
+                f'tokens/s (B={bn})',
+                f'peak memory MiB (B={b1})',
+            ],
+            rows,
+        ),
+        '',
+        '### Samples side by side (greedy)',
+        '',
+    ]
+    for i, s in enumerate(sv['samples']):
+        out += [f'**Prompt {i + 1}** ({s["domain"]}):', '', '```', s['prompt'], '```']
+        for method in ('target', 'draft_distilled', 'draft_ce', 'spec_distilled'):
+            out += [f'- {SERVE_NAMES[method]}:', '', '```', s[method], '```']
+        out.append('')
+    return out
+
+
+def _spec_cell(spec: dict, k: int) -> str:
+    runs = {r['k']: r for r in spec_runs(spec, 'T=0')}
+    r = runs.get(k)
+    if r is None:
+        return '-'
+    return f'acceptance {fmt(r["acceptance_rate"])}, tau {fmt(r["block_efficiency"])} (T=0, k={k})'
+
+
+def section_side_by_side(d: dict) -> list[str]:
+    sv = d['serve']
+    b1 = min(r['batch_size'] for r in sv['rows'])
+    secs = d['run']['stage_seconds']
+    target, spec_ce, alone, both = (
+        serve_row(sv, m, b1) for m in ('target', 'spec_ce', 'draft_distilled', 'spec_distilled')
+    )
+    k = sv['k']
+    dd = d['draft_distilled']
+    cal = d['spec_ce']['calibration']
+    train = secs.get('draft_distilled', float('nan'))
+
+    def latency(r):
+        return (
+            f'{fmt(_ms(r["tpot_s"]))} ms/token ({fmt(target["tpot_s"] / r["tpot_s"])}x the '
+            f"target's {fmt(_ms(target['tpot_s']))})"
+        )
+
+    def exact(r):
+        same = fmt(r['same_tokens_as_target'])
+        return f"the target's, exactly (greedy: fraction of tokens equal {same})"
+
+    rows = [
+        ['stage', 'inference', 'training', 'training (the draft) + inference'],
+        ['target online', 'yes', 'no', 'yes'],
+        [
+            'output distribution',
+            exact(spec_ce),
+            f'approximates the target: mean TV {fmt(1 - dd["alpha_T1"])}, validation loss '
+            f'{fmt(dd["draft_val_loss"])} vs {fmt(dd["target_val_loss"])}',
+            exact(both),
+        ],
+        [
+            'main metric',
+            _spec_cell(d['spec_ce'], k),
+            f'agreement {fmt(dd["alpha_T0"])}, validation loss {fmt(dd["draft_val_loss"])}',
+            _spec_cell(d['spec_distilled'], k),
+        ],
+        [
+            'main cost',
+            f'two models + verification: v({k}) = {fmt(cal["v"].get(str(k)))}, c = {fmt(cal["c"])}',
+            f'data + training: {fmt(train)} s',
+            f'training {fmt(train)} s + two models + verification',
+        ],
+        [f'measured latency (B={b1}, greedy)', latency(spec_ce), latency(alone), latency(both)],
+        [f'memory (B={b1}, XLA estimate)']
+        + [f'{fmt(_mib(_peak(r)))} MiB' for r in (spec_ce, alone, both)],
+    ]
+    headers = [
+        'dimension',
+        'speculative decoding (CE draft)',
+        'distillation (draft alone)',
+        'both (distilled draft, speculative)',
+    ]
+    return [
+        '## Speculative decoding vs distillation vs both',
+        '',
+        markdown_table(headers, rows),
+        '',
+        f'Break-even (draft_distilled training {fmt(train)} s ÷ serving seconds saved per token '
+        f'at batch {b1}): as a replacement of the target, '
+        f'{break_even(train, target["tpot_s"] - alone["tpot_s"])}; as the draft of speculative '
+        f'decoding, {break_even(train, target["tpot_s"] - both["tpot_s"])}.',
+        '',
+    ]
+
+
+def section_training(d: dict) -> list[str]:
+    secs = d['run']['stage_seconds']
+    rows = []
+    for stage, name in (
+        ('draft_ce', 'cross-entropy draft'),
+        ('draft_distilled', 'distilled draft'),
+        ('cotrain', 'co-trained draft'),
+    ):
+        for row in d['curves'][stage]:
+            rows.append([name, row['step'], row['alpha_T0'], row['alpha_T1']])
+    sep = secs.get('target', 0.0) + secs.get('draft_distilled', 0.0)
+    k = ref_k(d['spec_distilled'])
+    label = 'T=1,top_k=0,top_p=1'
+    k_ce, k_di, k_co = (
+        run_at(d[s], label, k)['block_efficiency'] if label in labels(d[s]) else None for s in PAIRS
+    )
+    return [
+        '## Alpha over training steps',
+        '',
+        markdown_table(['draft', 'step', 'alpha_T0', 'alpha_T1'], rows),
+        '',
+        f'Matched compute: target + distilled draft trained for {fmt(sep)} s; the co-trained pair '
+        f'for {fmt(secs.get("cotrain"))} s. Measured tau at k = {k}, T = 1 (spec_eval): '
+        f'cross-entropy {fmt(k_ce)}, distilled {fmt(k_di)}, co-trained {fmt(k_co)}.',
+        '',
+    ]
+
+
+def section_targets(d: dict) -> list[str]:
+    rows = []
+    k = ref_k(d['spec_distilled'])
+    for label in ('T=1,top_k=0,top_p=1', 'T=0'):
+        if label not in labels(d['spec_ce']) or label not in labels(d['spec_distilled']):
+            continue
+        ce, di = run_at(d['spec_ce'], label, k), run_at(d['spec_distilled'], label, k)
+        ratio = di['block_efficiency'] / ce['block_efficiency']
+        rows.append(
+            [
+                label,
+                k,
+                ce['block_efficiency'],
+                di['block_efficiency'],
+                ratio,
+                'met' if ratio >= 1.25 else 'not met',
+            ]
+        )
+    return [
+        '## Target: distilled tau >= 1.25 x cross-entropy tau',
+        '',
+        markdown_table(
+            ['sampling', 'k', 'tau CE draft', 'tau distilled draft', 'ratio', 'target 1.25'], rows
+        ),
+        '',
+    ]
+
+
+def render(d: dict, plots: list[str]) -> str:
+    lines = [
+        '# specjax quickstart: speculate, distill, or both?',
+        '',
+        'Generated by `specjax.experiments.quickstart_report` from the JSON files the stages '
+        'wrote under this workdir; no number in it is typed by hand.',
+        '',
+    ]
+    lines += section_targets(d)
+    lines += section_side_by_side(d)
+    lines += section_setup(d)
+    lines += section_speculative(d)
+    lines += section_serving(d)
+    lines += section_replacement(d)
+    lines += section_training(d)
+    lines += (
+        ['## Plots', '']
+        + [f'![{os.path.basename(p)}](plots/{os.path.basename(p)})' for p in plots]
+        + ['']
+    )
+    return '\n'.join(lines)
+
+
+def write(root: str, accelerator_ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> str:
+    """Writes <root>/report.md and <root>/plots/*.png; returns the report's path."""
+    from specjax.experiments import quickstart_plots
+
+    d = load(root)
+    d['config_ks'] = tuple(int(k) for k in accelerator_ks)
+    plots = quickstart_plots.write_all(d, os.path.join(root, 'plots'))
+    path = os.path.join(root, 'report.md')
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        f.write(render(d, plots))
+    os.replace(tmp, path)
+    return path

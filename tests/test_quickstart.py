@@ -1,0 +1,186 @@
+"""quickstart mode: every stage end to end (tiny, further reduced), the report's numbers equal the
+stages' JSON, a rerun reuses every stage, and bad input fails before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import time
+
+import pytest
+from data_fixtures import prepared_stdlib_dir
+
+from specjax.experiments import quickstart, quickstart_report
+from specjax.experiments.report import fmt
+
+_CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
+SECTIONS = (
+    '## Target: distilled tau >= 1.25 x cross-entropy tau',
+    '## Speculative decoding vs distillation vs both',
+    '## Models and run times',
+    '## Speculative decoding with each draft',
+    '### Acceptance per position',
+    '### Acceptance by temperature and top-p',
+    '### Acceptance by domain',
+    '### Acceptance by prompt length',
+    '### Acceptance by generated length',
+    '### The same alpha on an accelerator (a model, not a measurement)',
+    '## Serving: latency, throughput, memory',
+    '## Distillation as replacement: the draft served alone',
+    '### Samples side by side',
+    '## Alpha over training steps',
+    '## Plots',
+)
+
+
+def _config(target_lr=3e-3, **steps):
+    spec = importlib.util.spec_from_file_location('quickstart_config', _CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config('size=tiny')
+    c.data.data_dir = prepared_stdlib_dir()
+    c.compilation_cache = ''  # tests/conftest.py already set the suite's cache
+    for section, n in (('target', 24), ('draft_ce', 12), ('draft_distilled', 12), ('cotrain', 24)):
+        t = c[section].train
+        t.steps = steps.get(section, n)
+        t.warmup_steps, t.log_every = 2, 6
+        t.eval_every, t.checkpoint_every, t.eval_batches = t.steps // 2, t.steps, 2
+    c.target.train.lr = target_lr
+    ev = c.spec_eval.eval
+    ev.prompts_per_domain, ev.max_new_tokens, ev.ks = 2, 8, (1, 2)
+    ev.gen_len_edges = (4, 8)
+    ev.timing_repeats = ev.calibration_repeats = 1
+    ev.calibration_iters = 2
+    c.serve.max_new_tokens, c.serve.repeats, c.serve.batch_sizes = 6, 2, (1, 4)
+    return c
+
+
+@pytest.fixture(scope='module')
+def finished(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp('quickstart') / 'w')
+    config = _config()
+    t0 = time.perf_counter()
+    outcome = quickstart.run(config, workdir)
+    return config, workdir, outcome, time.perf_counter() - t0
+
+
+def _cell(report: str, row_start: str, column: int, after: str = '') -> str:
+    """Cell `column` of the first table row starting with `row_start` below heading `after`."""
+    for line in report[report.index(after) :].splitlines():
+        if line.startswith(row_start):
+            return [c.strip() for c in line.strip('|').split('|')][column]
+    raise AssertionError(f'no row starting {row_start!r}')
+
+
+def test_every_stage_runs_and_report_has_every_section_and_plot(finished):
+    _, workdir, outcome, _ = finished
+    assert outcome == {name: 'ran' for name in quickstart.STAGE_NAMES}
+    text = open(os.path.join(workdir, 'report.md')).read()
+    for heading in SECTIONS:
+        assert heading in text, heading
+    for name in (
+        'acceptance_by_position',
+        'speedup_vs_k',
+        'alpha_over_steps',
+        'acceptance_by_temperature_domain',
+    ):
+        path = os.path.join(workdir, 'plots', f'{name}.png')
+        with open(path, 'rb') as f:
+            assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+        assert f'(plots/{name}.png)' in text
+
+
+def test_report_numbers_equal_the_json(finished):
+    _, workdir, _, _ = finished
+    text = open(os.path.join(workdir, 'report.md')).read()
+    d = quickstart_report.load(workdir)
+    k = quickstart_report.ref_k(d['spec_distilled'])
+    for label in ('T=0', 'T=1,top_k=0,top_p=1'):
+        ce = quickstart_report.run_at(d['spec_ce'], label, k)['block_efficiency']
+        di = quickstart_report.run_at(d['spec_distilled'], label, k)['block_efficiency']
+        assert _cell(text, f'| {label} | {k} |', 2) == fmt(ce)
+        assert _cell(text, f'| {label} | {k} |', 3) == fmt(di)
+        assert _cell(text, f'| {label} | {k} |', 4) == fmt(di / ce)
+    serve = json.load(open(os.path.join(workdir, 'serve', 'serve.json')))
+    row = next(r for r in serve['rows'] if r['method'] == 'target' and r['batch_size'] == 1)
+    assert _cell(text, '| target alone (autoregressive) | 1 |', 3) == fmt(1e3 * row['ttft_s'])
+    assert _cell(text, '| target alone (autoregressive) | 1 |', 4) == fmt(1e3 * row['tpot_s'])
+    distilled = json.load(open(os.path.join(workdir, 'draft_distilled', 'results.json')))
+    replacement = '## Distillation as replacement'
+    assert _cell(text, '| distilled draft | ', 1, replacement) == fmt(distilled['draft_val_loss'])
+    assert _cell(text, '| distilled draft | ', 4, replacement) == fmt(1 - distilled['alpha_T1'])
+    secs = json.load(open(os.path.join(workdir, 'quickstart.json')))['stage_seconds']
+    assert f'training {fmt(secs["draft_distilled"])} s' in text
+    assert re.search(r'Break-even .* (tokens|never)', text)
+    # Greedy speculative decoding reproduces the target's tokens.
+    spec = next(r for r in serve['rows'] if r['method'] == 'spec_distilled')
+    assert spec['same_tokens_as_target'] == 1.0
+
+
+def test_rerun_reuses_every_stage_without_retraining(finished):
+    config, workdir, _, first_s = finished
+    before = {
+        s: os.path.getmtime(os.path.join(workdir, s, 'results.json'))
+        for s in ('target', 'draft_ce', 'draft_distilled', 'cotrain')
+    }
+    t0 = time.perf_counter()
+    outcome = quickstart.run(config, workdir)
+    rerun_s = time.perf_counter() - t0
+    assert outcome == {n: ('ran' if n == 'report' else 'reused') for n in quickstart.STAGE_NAMES}
+    for stage, mtime in before.items():
+        assert os.path.getmtime(os.path.join(workdir, stage, 'results.json')) == mtime
+        assert sorted(os.listdir(os.path.join(workdir, stage, 'checkpoints')))[-1] == str(
+            config[stage].train.steps
+        )
+    assert rerun_s < 0.5 * first_s
+
+
+def test_workdir_of_another_config_is_refused_untouched(finished):
+    _, workdir, _, _ = finished
+    mtime = os.path.getmtime(os.path.join(workdir, 'report.md'))
+    with pytest.raises(
+        quickstart.StageError,
+        match=r"stage 'target' of a different config.*"
+        r'train\.lr: 0\.003 in the workdir, 0\.001 now',
+    ):
+        quickstart.run(_config(target_lr=1e-3), workdir)
+    assert os.path.getmtime(os.path.join(workdir, 'report.md')) == mtime
+
+
+def test_stage_alone_without_prerequisite_fails_before_writing(tmp_path):
+    config = _config()
+    config.stages = 'spec_ce'
+    with pytest.raises(quickstart.StageError, match=r"stage 'spec_ce' needs stage 'target'"):
+        quickstart.run(config, str(tmp_path / 'w'))
+    assert not os.path.exists(tmp_path / 'w')
+    config.stages = 'target,nonsense'
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['nonsense'\]"):
+        quickstart.run(config, str(tmp_path / 'w'))
+
+
+def test_missing_matplotlib_fails_before_training(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, 'find_spec', lambda name, *a: None if name == 'matplotlib' else real(name)
+    )
+    with pytest.raises(ImportError, match='pip install matplotlib'):
+        quickstart.run(_config(), str(tmp_path / 'w'))
+    assert not os.path.exists(tmp_path / 'w')
+
+
+def test_break_even_counts_tokens_or_never():
+    assert quickstart_report.break_even(10.0, 0.002) == f'{fmt(5000.0)} tokens'
+    assert quickstart_report.break_even(10.0, -0.001).startswith('never')
+
+
+def test_preempted_stage_stops_the_run_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    stopped = dataclasses.replace(quickstart.STAGES[0], run=lambda cfg, wd, root: None)
+    monkeypatch.setattr(quickstart, 'STAGES', (stopped,) + quickstart.STAGES[1:])
+    config = _config()
+    config.stages = 'target,draft_ce'
+    assert quickstart.run(config, str(tmp_path / 'w')) == {'target': 'preempted'}
+    assert 'rerun the same command to resume' in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / 'w' / 'quickstart.json')
