@@ -122,6 +122,7 @@ def run_transformers(target, draft, prompts, new: int, k: int) -> dict:
                 calls_t += t_count.calls
                 calls_d += d_count.calls
             n = sum(len(t) for t in tokens)
+            print(f'transformers {method} {label}: {n / seconds:.1f} tokens/s', flush=True)
             results[(method, label)] = dict(
                 tokens=tokens,
                 seconds=seconds,
@@ -173,6 +174,7 @@ def run_specjax(target, draft, prompts, new: int, k: int, batch: int) -> dict:
         tokens = [np.asarray(o.tokens)[j] for o, g in zip(outs, groups) for j in range(len(g))]
         n = sum(len(t) for t in tokens)
         calls = sum(int(o.stats['target_calls']) for o in outs) if method != 'autoregressive' else n
+        print(f'specjax {method} {label} batch {b}: {n / seconds:.1f} tokens/s', flush=True)
         results[(method, label, b)] = dict(
             tokens=tokens[: len(prompts)],
             seconds=seconds,
