@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
+from specjax import workdir as workdir_lib
 from specjax.workdir import ConfigMismatch
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -44,8 +44,9 @@ class NoIntactCheckpoint(FileNotFoundError):
     """Every checkpoint step in the directory is unreadable (the reasons are in the message)."""
 
 
-def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+def checkpoint_dir(workdir) -> str:
+    """<workdir>/checkpoints as a str: absolute for a local workdir, the URI for gs://."""
+    return os.fspath(workdir_lib.path(workdir) / CHECKPOINT_DIR)
 
 
 def to_json(value) -> Any:
@@ -240,14 +241,14 @@ class Checkpoints:
         Process 0 moves, every process then waits for it and reloads its step list.
         """
         stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-        dest_root = os.path.join(os.path.dirname(self.directory), BROKEN_DIR)
+        dest_root = epath.Path(self.directory).parent / BROKEN_DIR
         moved = []
         for step in steps if jax.process_index() == 0 else ():
-            dest = os.path.join(dest_root, f'{step}.{stamp}')
-            os.makedirs(dest_root, exist_ok=True)
-            shutil.move(os.path.join(self.directory, str(step)), dest)
+            dest = dest_root / f'{step}.{stamp}'
+            dest_root.mkdir(parents=True, exist_ok=True)
+            (epath.Path(self.directory) / str(step)).rename(dest)
             logging.warning('moved unreadable checkpoint step %d to %s (not deleted)', step, dest)
-            moved.append(dest)
+            moved.append(os.fspath(dest))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -10,6 +10,9 @@
 - `config_changes(saved, current)`: the result-changing fields that differ between two configs;
   IGNORED_CONFIG_FIELDS lists the ones that do not change a result (logging, checkpoint
   cadence, the mesh, paths of inputs whose identity is checked separately).
+- `resolve(workdir)` / `path(workdir)`: the one spelling of a workdir (str, pathlib.Path or
+  epath.Path; a local path absolute with ~ expanded, a remote `gs://` URI kept) and its
+  etils.epath.Path, through which every workdir file is read and written (so `gs://` works).
 - `die_with_runner()`: a sweep point asks the kernel for SIGTERM when its runner dies.
 - PREEMPTED_EXIT_CODE: the exit status of a run that stopped on SIGTERM after committing its
   checkpoint (launchers restart on it).
@@ -31,6 +34,7 @@ import sys
 from typing import Any
 
 from absl import logging
+from etils import epath
 
 LOCK_FILE = '.lock'
 RESULTS_FILE = 'results.json'
@@ -67,8 +71,25 @@ class WorkdirBusy(RuntimeError):
 _held: dict[str, list] = {}  # realpath -> [open lock file, depth] of locks held by this process
 
 
-def _is_local(workdir: str) -> bool:
-    return '://' not in workdir
+def _is_local(workdir) -> bool:
+    return '://' not in os.fspath(workdir)
+
+
+def resolve(workdir) -> str:
+    """The canonical string of a workdir (str, pathlib.Path or epath.Path).
+
+    Local: absolute, `~` expanded, normalised (so one folder has one identity in metadata);
+    remote (`gs://bucket/dir`): the URI unchanged but for a trailing '/'.
+    """
+    text = os.fspath(workdir)
+    if not _is_local(text):
+        return text.rstrip('/')
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def path(workdir) -> epath.Path:
+    """The workdir as an etils.epath.Path (local or remote), for every file under it."""
+    return epath.Path(resolve(workdir))
 
 
 def _process_index() -> int:
@@ -99,8 +120,7 @@ def _describe(holder: dict) -> str:
 def read_holder(workdir: str) -> dict:
     """The JSON the last holder wrote into <workdir>/.lock ({} if none or unreadable)."""
     try:
-        with open(os.path.join(workdir, LOCK_FILE)) as f:
-            text = f.read()
+        text = (path(workdir) / LOCK_FILE).read_text()
         return json.loads(text) if text.strip() else {}
     except (OSError, json.JSONDecodeError):
         return {}
@@ -115,6 +135,7 @@ def hold(workdir: str, mode: str):
     if _process_index() != 0 or not _is_local(workdir):
         yield
         return
+    workdir = resolve(workdir)
     os.makedirs(workdir, exist_ok=True)
     key = os.path.realpath(workdir)
     if key in _held:
@@ -249,12 +270,11 @@ def _legacy_owner(recorded: dict) -> str | None:
 
 def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> None:
     """ValueError if <workdir>/<name> exists and was written by another mode (or by hand)."""
-    path = os.path.join(workdir, name)
-    if not os.path.exists(path):
+    file = path(workdir) / name
+    if not file.exists():
         return
     try:
-        with open(path) as f:
-            recorded = json.load(f)
+        recorded = json.loads(file.read_text())
         owner = recorded.get('mode') or _legacy_owner(recorded)
     except (OSError, json.JSONDecodeError, AttributeError):
         owner = None
@@ -262,7 +282,7 @@ def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> No
         return  # written before results recorded their mode; the checkpoint identity decides
     if owner != mode:
         raise ValueError(
-            f'{path} was written by mode {owner!r}, not {mode!r}; it is never replaced. '
+            f'{file} was written by mode {owner!r}, not {mode!r}; it is never replaced. '
             f'Give the {mode} run its own --workdir'
         )
 
@@ -270,27 +290,29 @@ def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> No
 def write_results(
     workdir: str, mode: str, results: dict, config, name: str = RESULTS_FILE, keep_previous=True
 ):
-    """Writes <workdir>/<name> with mode, config and config_hash; returns its path.
+    """Writes <workdir>/<name> with mode, config and config_hash; returns its path (a str).
 
-    Refuses (ValueError) to replace a file another mode wrote. With keep_previous, an older file
-    of this mode is kept as <stem>.step<N>.json (N its 'step'), once, so a rerun never loses the
-    first result.
+    Process 0 only (other processes write nothing and get the same path back). Refuses
+    (ValueError) to replace a file another mode wrote. With keep_previous, an older file of this
+    mode is kept as <stem>.step<N>.json (N its 'step'), once, so a rerun never loses the first
+    result.
     """
     from specjax.checkpoint import to_json
 
-    check_results_owner(workdir, mode, name)
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, name)
-    if keep_previous and os.path.exists(path):
-        with open(path) as f:
-            old_step = json.load(f).get('step', 'unknown')
+    root = path(workdir)
+    file = root / name
+    if _process_index() != 0:
+        return os.fspath(file)
+    check_results_owner(root, mode, name)
+    root.mkdir(parents=True, exist_ok=True)
+    if keep_previous and file.exists():
+        old_step = json.loads(file.read_text()).get('step', 'unknown')
         stem = name[: -len('.json')] if name.endswith('.json') else name
-        backup = os.path.join(workdir, f'{stem}.step{old_step}.json')
-        if not os.path.exists(backup):
-            os.replace(path, backup)
+        backup = root / f'{stem}.step{old_step}.json'
+        if not backup.exists():
+            file.replace(backup)
     out = dict(results, mode=mode, config=to_json(config), config_hash=config_hash(config))
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(out, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
-    return path
+    tmp = root / (name + '.tmp')
+    tmp.write_text(json.dumps(out, indent=2, sort_keys=True, default=str))
+    tmp.replace(file)
+    return os.fspath(file)

@@ -163,6 +163,7 @@ def build_cotrain(config, data: DistillData):
 def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
     """Co-trains config.model (target) and config.draft from scratch in `workdir` (locked)."""
     validate_common(config, 'cotrain', COTRAIN_SECTIONS)
+    workdir = workdir_lib.resolve(workdir)
     with workdir_lib.hold(workdir, 'cotrain'):
         workdir_lib.check_results_owner(workdir, 'cotrain')
         return _run_cotrain(config, workdir, data, on_step)

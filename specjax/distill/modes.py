@@ -273,6 +273,7 @@ def run_distill(config, workdir: str, *, data: DistillData | None = None, on_ste
     """
     draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
     precheck(config, draft_cfg, data_config=data is None)  # before any tokenizer is built
+    workdir = workdir_lib.resolve(workdir)
     with workdir_lib.hold(workdir, 'distill'):
         workdir_lib.check_results_owner(workdir, 'distill')
         return _run_distill(config, workdir, data, on_step)

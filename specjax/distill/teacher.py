@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 
 import jax
 import numpy as np
 
+from specjax import workdir as workdir_lib
 from specjax.checkpoint import Checkpoints, load_model
 from specjax.models import TransformerConfig, split
 
@@ -71,7 +71,7 @@ def teacher_step(workdir: str, step: int) -> int:
 
 def load_teacher(workdir: str, step: int, *, mesh, rules) -> Teacher:
     """Loads the teacher's params onto `mesh`; clear ValueErrors for missing / mismatched ones."""
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir = workdir_lib.resolve(workdir)
     step = teacher_step(workdir, step)
     try:
         model, meta = load_model(workdir, step, mesh=mesh, rules=rules)
@@ -108,7 +108,7 @@ def precheck(config, draft_cfg: TransformerConfig, *, data_config: bool = True) 
     with data_config=False: the caller supplies the data itself).
     """
     d = config.distill
-    workdir = os.path.abspath(os.path.expanduser(d.teacher_workdir))
+    workdir = workdir_lib.resolve(d.teacher_workdir)
     step = teacher_step(workdir, int(d.teacher_step))
     ckpts = Checkpoints(workdir, read_only=True)
     try:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+from etils import epath
 
 
 def jsonable(obj):
@@ -28,12 +29,12 @@ def jsonable(obj):
 
 
 def write_json(path: str, obj) -> str:
-    """Writes jsonable(obj) to path via a temporary file and rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(jsonable(obj), f, indent=2, sort_keys=False)
-    os.replace(tmp, path)
+    """Writes jsonable(obj) to path (local or gs://, via etils.epath) by a temporary file."""
+    file = epath.Path(path if '://' in os.fspath(path) else os.path.abspath(path))
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.parent / (file.name + '.tmp')
+    tmp.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=False))
+    tmp.replace(file)
     return path
 
 

@@ -29,7 +29,7 @@ from specjax.experiments import measure, report
 from specjax.experiments.pairs import load_models
 from specjax.experiments.prompts import Prompts, make_prompts
 from specjax.models import split
-from specjax.parallel import make_mesh
+from specjax.parallel import is_main_process, make_mesh
 from specjax.sampling import (
     Acceptance,
     SamplingConfig,
@@ -297,6 +297,7 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
 def run(config, workdir: str) -> dict:
     """The spec_eval mode: see the module docstring. Returns the spec_eval.json dict."""
     started = time.perf_counter()
+    workdir = workdir_lib.resolve(workdir)
     ev = config.eval
     samplings, ks = _check_eval(ev)
     check_lengths(ev, ks, model_max_lens(config))
@@ -378,11 +379,11 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
         'memory': measure.process_memory(),
         'wall_s': time.perf_counter() - started,
     }
-    os.makedirs(workdir, exist_ok=True)
-    report.write_json(os.path.join(workdir, 'spec_eval.json'), result)
-    headline_json = report.jsonable(headline(result))  # NaN -> null, as before
-    workdir_lib.write_results(workdir, 'spec_eval', headline_json, config, keep_previous=False)
-    print(table_markdown(result), flush=True)
+    if is_main_process():  # results and reports from process 0 only
+        report.write_json(os.fspath(workdir_lib.path(workdir) / 'spec_eval.json'), result)
+        headline_json = report.jsonable(headline(result))  # NaN -> null, as before
+        workdir_lib.write_results(workdir, 'spec_eval', headline_json, config, keep_previous=False)
+        print(table_markdown(result), flush=True)
     return result
 
 

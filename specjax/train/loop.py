@@ -157,6 +157,7 @@ def run_loop(task: Task, workdir: str, train_cfg, *, on_step: Callable | None = 
     loss raises NonFiniteLossError (the last good checkpoint is left intact). on_step(step,
     state) is called after each step (tests, custom hooks). Returns a LoopResult.
     """
+    workdir = workdir_lib.resolve(workdir)
     with workdir_lib.hold(workdir, task.mode):
         return _run_loop(task, workdir, train_cfg, on_step)
 

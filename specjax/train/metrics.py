@@ -10,6 +10,8 @@ import time
 import jax
 from absl import logging
 
+from specjax import workdir as workdir_lib
+
 
 def _jsonable(value):
     value = float(value)
@@ -19,20 +21,28 @@ def _jsonable(value):
 class MetricsWriter:
     """Appends one JSON row per (step, split) to metrics.jsonl and scalars to TensorBoard.
 
-    Only process 0 writes. The JSONL file is opened in append mode: a resumed run adds rows after
-    the previous run's, nothing is rewritten. TensorBoard writes a fresh event file per run.
+    Only process 0 writes. Locally the JSONL file is opened in append mode: a resumed run adds
+    rows after the previous run's, nothing is rewritten. Object stores (gs://) cannot append, so
+    there the file is rewritten whole (old rows + new) at every write. TensorBoard writes a fresh
+    event file per run.
     """
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir):
         self._enabled = jax.process_index() == 0
         self._file = None
         self._tb = None
+        self._remote_rows: list[str] | None = None
         if self._enabled:
-            os.makedirs(workdir, exist_ok=True)
-            self._file = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+            root = workdir_lib.path(workdir)
+            root.mkdir(parents=True, exist_ok=True)
+            self._path = root / 'metrics.jsonl'
+            if workdir_lib._is_local(root):
+                self._file = self._path.open('a')
+            else:
+                self._remote_rows = [self._path.read_text()] if self._path.exists() else []
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=os.path.join(workdir, 'tensorboard'))
+            self._tb = SummaryWriter(logdir=os.fspath(root / 'tensorboard'))
 
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         """Writes `scalars` for `split` ('train', 'eval', ...) at `step`."""
@@ -40,15 +50,21 @@ class MetricsWriter:
             return
         row = {'step': int(step), 'split': split, 'time': round(time.time(), 3)}
         row.update({k: _jsonable(v) for k, v in scalars.items()})
-        self._file.write(json.dumps(row) + '\n')
-        self._file.flush()
+        line = json.dumps(row) + '\n'
+        if self._remote_rows is None:
+            self._file.write(line)
+            self._file.flush()
+        else:
+            self._remote_rows.append(line)
+            self._path.write_text(''.join(self._remote_rows))
         for key, value in scalars.items():
             self._tb.add_scalar(f'{split}/{key}', float(value), int(step))
         self._tb.flush()
 
     def close(self) -> None:
         if self._enabled:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
             self._tb.close()
 
 

@@ -194,6 +194,7 @@ def pretrain(config, workdir: str, *, data: PretrainData | None = None, on_step=
     config and its hash. Holds the workdir lock for the whole run.
     """
     validate_config(config)
+    workdir = workdir_lib.resolve(workdir)
     with workdir_lib.hold(workdir, 'pretrain'):
         return _pretrain(config, workdir, data, on_step)
 
