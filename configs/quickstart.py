@@ -37,13 +37,15 @@ import os
 
 import ml_collections
 
+from specjax.models import presets
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-# size: target (d_model, n_layers, n_heads, n_kv_heads, d_ff, steps, batch), draft preset,
+# size: target (specjax.models.presets.TARGETS name, steps, batch), draft preset (DRAFTS),
 # draft steps, cotrain draft steps = target steps; generated tokens; spec_eval ks.
 _PRESETS = {
     'full': dict(
-        target=(192, 2, 4, 2, 512, 400, 16),
+        target=('quickstart', 400, 16),
         seq_len=128,
         draft='tiny',
         draft_steps=200,
@@ -53,7 +55,7 @@ _PRESETS = {
         vocab_size=4096,
     ),
     'tiny': dict(
-        target=(64, 2, 4, 2, 256, 60, 8),
+        target=('tiny', 60, 8),
         seq_len=64,
         draft='test',
         draft_steps=30,
@@ -155,17 +157,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.data.vocab_size = p['vocab_size']
     c.data.seq_len = p['seq_len']
 
-    d_model, n_layers, n_heads, n_kv_heads, d_ff, steps, batch = p['target']
-    c.target = _load('target', 'size=small')  # a pretrain config; model shrunk for the CPU
+    shape, steps, batch = p['target']
+    c.target = _load('target', 'size=small')  # a pretrain config; model from the registry
     c.target.data.seq_len = p['seq_len']
     m = c.target.model
-    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff = (
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        d_ff,
-    )
+    m.update(presets.shape('target', shape))
     m.max_len = p['seq_len']
     _train(c.target.train, steps, batch, 3e-3, 4)
 
