@@ -66,8 +66,8 @@ _PRESETS = {
     ),
 }
 
-# Stage durations measured on the 2-core CPU (seconds; the ETA rescales them by how the
-# finished stages compared with their estimate).
+# Rough per-stage budgets in seconds for a quiet 2-core CPU (from the throughputs in README,
+# Performance), used only for the ETA, which rescales them by the finished stages' pace.
 _ESTIMATES = {
     'full': dict(
         target=120,
