@@ -28,7 +28,8 @@ prerequisites must be finished).
 
 Presets (`:size=...`):
   full   (default) a 1.6M-param target and 0.4M-param drafts (README, Quickstart).
-  tiny   every stage in seconds: a smoke run (under 3 minutes on the 2-core CPU).
+  tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU; README has the
+         measured, shared-machine times).
 Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400.
 """
 
