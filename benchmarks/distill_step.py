@@ -25,9 +25,9 @@ import numpy as np
 from absl import app, flags
 
 from specjax.distill import sources
-from specjax.distill.config import MODEL_PRESETS, default_distill_config
+from specjax.distill.config import default_distill_config
 from specjax.distill.steps import LossSettings, draft_loss, forward, jit_distill_step, step_batch
-from specjax.models import TransformerConfig
+from specjax.models import TransformerConfig, presets
 from specjax.parallel import batch_sharding, default_mesh_config, make_mesh, param_shardings
 from specjax.sampling import SamplingConfig
 from specjax.sampling.calibrate import median_time
@@ -35,14 +35,8 @@ from specjax.train.config import default_train_config
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.state import plan_train_state
 
-# configs/target.py's target sizes (d_model, n_layers, n_heads, n_kv_heads, d_ff)
-TARGETS = {
-    'tiny': (64, 2, 4, 2, 256),
-    'small': (192, 6, 6, 2, 512),
-}
-
-_TARGET = flags.DEFINE_enum('target', 'small', sorted(TARGETS), 'Target (teacher) size.')
-_DRAFT = flags.DEFINE_enum('draft', 'tiny', sorted(MODEL_PRESETS), 'Draft size preset.')
+_TARGET = flags.DEFINE_enum('target', 'small', sorted(presets.TARGETS), 'Target size.')
+_DRAFT = flags.DEFINE_enum('draft', 'tiny', sorted(presets.DRAFTS), 'Draft size preset.')
 _BATCH = flags.DEFINE_integer('batch', 16, 'Batch size B.')
 _SEQ = flags.DEFINE_integer('seq_len', 128, 'Dataset row length T.')
 _VOCAB = flags.DEFINE_integer('vocab', 4096, 'Vocabulary size.')
@@ -51,11 +45,6 @@ _NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Generated tokens per prompt.'
 _DIV = flags.DEFINE_string('divergence', 'fkl', 'config.distill.divergence.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed repetitions (median).')
 _OUT = flags.DEFINE_string('out', None, 'Optional JSON output path.')
-
-
-def _cfg(dims, vocab, max_len) -> TransformerConfig:
-    d_model, n_layers, n_heads, n_kv_heads, d_ff = dims
-    return TransformerConfig(vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len)
 
 
 def _batch(rng, b, t, vocab):
@@ -81,11 +70,8 @@ def run(
 ) -> dict:
     """Measures the quantities of the module docstring; returns them as a dict."""
     max_len = max(seq_len, prompt_len + max_new_tokens + 1)
-    t_cfg = _cfg(TARGETS[target], vocab, max_len)
-    p = MODEL_PRESETS[draft]
-    d_cfg = _cfg(
-        (p['d_model'], p['n_layers'], p['n_heads'], p['n_kv_heads'], p['d_ff']), vocab, max_len
-    )
+    t_cfg = TransformerConfig(vocab_size=vocab, max_len=max_len, **presets.shape('target', target))
+    d_cfg = TransformerConfig(vocab_size=vocab, max_len=max_len, **presets.shape('draft', draft))
     mesh_cfg = default_mesh_config()
     mesh, rules = make_mesh(mesh_cfg), mesh_cfg.rules
     train = default_train_config()

@@ -28,7 +28,8 @@ prerequisites must be finished).
 
 Presets (`:size=...`):
   full   (default) a 1.6M-param target and 0.4M-param drafts (README, Quickstart).
-  tiny   every stage in seconds: a smoke run (under 3 minutes on the 2-core CPU).
+  tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU; README has the
+         measured, shared-machine times).
 Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400.
 """
 
@@ -37,13 +38,15 @@ import os
 
 import ml_collections
 
+from specjax.models import presets
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-# size: target (d_model, n_layers, n_heads, n_kv_heads, d_ff, steps, batch), draft preset,
+# size: target (specjax.models.presets.TARGETS name, steps, batch), draft preset (DRAFTS),
 # draft steps, cotrain draft steps = target steps; generated tokens; spec_eval ks.
 _PRESETS = {
     'full': dict(
-        target=(192, 2, 4, 2, 512, 400, 16),
+        target=('quickstart', 400, 16),
         seq_len=128,
         draft='tiny',
         draft_steps=200,
@@ -53,7 +56,7 @@ _PRESETS = {
         vocab_size=4096,
     ),
     'tiny': dict(
-        target=(64, 2, 4, 2, 256, 60, 8),
+        target=('tiny', 60, 8),
         seq_len=64,
         draft='test',
         draft_steps=30,
@@ -64,8 +67,8 @@ _PRESETS = {
     ),
 }
 
-# Stage durations measured on the 2-core CPU (seconds; the ETA rescales them by how the
-# finished stages compared with their estimate).
+# Rough per-stage budgets in seconds for a quiet 2-core CPU (from the throughputs in README,
+# Performance), used only for the ETA, which rescales them by the finished stages' pace.
 _ESTIMATES = {
     'full': dict(
         target=120,
@@ -155,17 +158,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.data.vocab_size = p['vocab_size']
     c.data.seq_len = p['seq_len']
 
-    d_model, n_layers, n_heads, n_kv_heads, d_ff, steps, batch = p['target']
-    c.target = _load('target', 'size=small')  # a pretrain config; model shrunk for the CPU
+    shape, steps, batch = p['target']
+    c.target = _load('target', 'size=small')  # a pretrain config; model from the registry
     c.target.data.seq_len = p['seq_len']
     m = c.target.model
-    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff = (
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        d_ff,
-    )
+    m.update(presets.shape('target', shape))
     m.max_len = p['seq_len']
     _train(c.target.train, steps, batch, 3e-3, 4)
 

@@ -25,14 +25,15 @@ steps, ...) unless --config.train.allow_config_change=True. SIGTERM saves and ex
 import ml_collections
 
 from specjax.data import default_data_config
+from specjax.models import presets
 from specjax.parallel import default_mesh_config
 from specjax.train.config import default_train_config
 
-# name: (d_model, n_layers, n_heads, n_kv_heads, d_ff, seq_len, batch, steps, lr, warmup)
+# name: (seq_len, batch, steps, lr, warmup); model shapes: specjax.models.presets.TARGETS
 _PRESETS = {
-    'tiny': (64, 2, 4, 2, 256, 128, 8, 100, 3e-3, 10),
-    'small': (256, 3, 4, 2, 768, 256, 8, 1000, 1e-3, 50),
-    'base': (1024, 24, 16, 8, 2816, 1024, 64, 5000, 3e-4, 500),
+    'tiny': (128, 8, 100, 3e-3, 10),
+    'small': (256, 8, 1000, 1e-3, 50),
+    'base': (1024, 64, 5000, 3e-4, 500),
 }
 
 
@@ -47,7 +48,8 @@ def _parse(arg) -> str:
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
     size = _parse(arg)
-    d_model, n_layers, n_heads, n_kv_heads, d_ff, seq_len, batch, steps, lr, warmup = _PRESETS[size]
+    seq_len, batch, steps, lr, warmup = _PRESETS[size]
+    shape = presets.shape('target', size)
     c = ml_collections.ConfigDict()
     c.mode = 'pretrain'  # specjax.main dispatches on this
     c.seed = 0  # model init and data order
@@ -57,11 +59,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = c.data.get_ref('vocab_size')  # linked: set data.vocab_size instead
-    c.model.d_model = d_model  # residual width
-    c.model.n_layers = n_layers  # decoder blocks
-    c.model.n_heads = n_heads  # query heads (head_dim = d_model / n_heads)
-    c.model.n_kv_heads = n_kv_heads  # key/value heads (grouped-query attention)
-    c.model.d_ff = d_ff  # SwiGLU hidden width
+    c.model.d_model = shape['d_model']  # residual width
+    c.model.n_layers = shape['n_layers']  # decoder blocks
+    c.model.n_heads = shape['n_heads']  # query heads (head_dim = d_model / n_heads)
+    c.model.n_kv_heads = shape['n_kv_heads']  # key/value heads (grouped-query attention)
+    c.model.d_ff = shape['d_ff']  # SwiGLU hidden width
     c.model.max_len = seq_len  # longest sequence (RoPE positions); must be >= data.seq_len
     c.model.rope_theta = 10000.0  # rotary base
     c.model.tie_embeddings = True  # output head shares the embedding matrix

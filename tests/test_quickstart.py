@@ -183,4 +183,5 @@ def test_preempted_stage_stops_the_run_and_says_how_to_resume(tmp_path, monkeypa
     config.stages = 'target,draft_ce'
     assert quickstart.run(config, str(tmp_path / 'w')) == {'target': 'preempted'}
     assert 'rerun the same command to resume' in capsys.readouterr().out
-    assert not os.path.exists(tmp_path / 'w' / 'quickstart.json')
+    with open(tmp_path / 'w' / 'quickstart.json') as f:
+        assert list(json.load(f)['stage_seconds']) == ['target']  # the attempt's time counts

@@ -12,7 +12,7 @@ import os
 import ml_collections
 
 from specjax.distill.divergences import DIVERGENCES, ON_POLICY_ONLY
-from specjax.models import TransformerConfig
+from specjax.models import TransformerConfig, presets
 from specjax.sampling import SamplingConfig
 from specjax.train.config import check_keys, validate_train_config
 
@@ -20,14 +20,8 @@ SOURCES = ('dataset', 'teacher', 'on_policy', 'mixture')
 MIXTURE_BASES = ('dataset', 'teacher')
 LOGICAL_AXES = ('batch', 'length', 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm')
 
-# Draft sizes (vocab_size and max_len come from the config). 'test' is for unit tests; targets
-# use configs/target.py's presets (tiny: d_model 64 x 2 layers, small: 192 x 6).
-MODEL_PRESETS = {
-    'test': dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64),
-    'tiny': dict(d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=256),
-    'small': dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512),
-    'medium': dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024),
-}
+# Draft sizes live in specjax.models.presets (one registry); the name is kept for callers.
+MODEL_PRESETS = presets.DRAFTS
 
 
 def model_config(size: str, vocab_size: int, max_len: int) -> ml_collections.ConfigDict:

@@ -263,14 +263,16 @@ class Progress:
 
 
 def _record_run(workdir: str, name: str, seconds: float, cpu_seconds: float) -> None:
-    """Wall and process CPU seconds per stage (CPU time is what a shared machine inflates least)."""
+    """Adds wall and process CPU seconds to a stage's totals (CPU seconds are what a shared
+    machine inflates least); every attempt of a stage counts, preempted ones included."""
     path = os.path.join(workdir, RUN_FILE)
     record = {}
     if os.path.exists(path):
         with open(path) as f:
             record = json.load(f)
-    record.setdefault('stage_seconds', {})[name] = seconds
-    record.setdefault('stage_cpu_seconds', {})[name] = cpu_seconds
+    for key, value in (('stage_seconds', seconds), ('stage_cpu_seconds', cpu_seconds)):
+        times = record.setdefault(key, {})
+        times[name] = times.get(name, 0.0) + value  # a preempted attempt counts too
     record['load_average'] = os.getloadavg()
     record['cpu_count'] = os.cpu_count()
     report_lib.write_json(path, record)
@@ -302,6 +304,8 @@ def run(config, workdir: str) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         stage.run(cfg, wd, workdir)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        if stage.name != 'report':
+            _record_run(workdir, stage.name, seconds, cpu_seconds)
         if not os.path.exists(os.path.join(wd, stage.results)):
             print(
                 f'[quickstart] stage {stage.name} stopped before finishing (preempted: its '
@@ -310,8 +314,6 @@ def run(config, workdir: str) -> dict:
             )
             outcome[stage.name] = 'preempted'
             return outcome
-        if stage.name != 'report':
-            _record_run(workdir, stage.name, seconds, cpu_seconds)
         progress.end(stage.name, seconds)
         outcome[stage.name] = 'ran'
     print(f'[quickstart] report: {os.path.join(workdir, "report.md")}', flush=True)

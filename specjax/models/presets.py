@@ -1,0 +1,38 @@
+"""Model size presets: the one registry that configs, benchmarks and experiments read.
+
+Shapes only (vocab_size and max_len come from the data config). TARGETS are pretrained targets
+(configs/target.py, configs/cotrain.py, configs/quickstart.py); DRAFTS are drafts and distilled
+students (configs/distill.py, configs/cotrain.py's draft). Each is a dict of TransformerConfig
+fields: d_model, n_layers, n_heads, n_kv_heads, d_ff.
+"""
+
+from __future__ import annotations
+
+
+def _shape(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int) -> dict:
+    return dict(
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=d_ff
+    )
+
+
+TARGETS = {
+    'tiny': _shape(64, 2, 4, 2, 256),  # 0.39M params with the 4096 vocabulary
+    'quickstart': _shape(192, 2, 4, 2, 512),  # 1.6M: the quickstart's CPU target
+    'small': _shape(256, 3, 4, 2, 768),  # 3.4M: wide and shallow, fastest per token on CPU
+    'base': _shape(1024, 24, 16, 8, 2816),  # 287M: an accelerator run
+}
+
+DRAFTS = {
+    'test': _shape(32, 1, 2, 2, 64),  # unit tests and smoke runs
+    'tiny': _shape(64, 2, 2, 2, 256),  # ~0.4M params with the 4096 vocabulary
+    'small': _shape(128, 2, 4, 4, 512),  # ~0.9M
+    'medium': _shape(256, 4, 4, 4, 1024),  # for accelerator targets
+}
+
+
+def shape(kind: str, name: str) -> dict:
+    """The preset `name` of TARGETS ('target') or DRAFTS ('draft'); ValueError naming the known."""
+    table = {'target': TARGETS, 'draft': DRAFTS}[kind]
+    if name not in table:
+        raise ValueError(f'{kind} size preset {name!r} unknown; known: {sorted(table)}')
+    return dict(table[name])
