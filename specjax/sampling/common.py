@@ -227,3 +227,22 @@ def draft_catch_up(dgd, dparams, cache, last_B, prev_B, pending_B, active_B, to_
         return logits[:, 0], cache
 
     return jax.lax.cond(jnp.any((pending_B == 2) & active_B), two_tokens, one_token, cache)
+
+
+def emit_round(proposed_BK, num_acc_B, next_token_B, out_BN, emitted_B, act_B, *, max_new, eos_id):
+    """Writes a round's accepted proposals and its replacement/bonus token into each row's output.
+
+    Row b emits proposed[b, :num_acc[b]] then next_token[b], cut at eos and at max_new tokens.
+    Returns (count [B] tokens emitted, hit_eos [B], emitted [B], out [B, N]); act (0/1 int32)
+    masks rows that are already done.
+    """
+    j = jnp.arange(proposed_BK.shape[1] + 1)[None, :]
+    padded = jnp.pad(proposed_BK, ((0, 0), (0, 1)))
+    block = jnp.where(j == num_acc_B[:, None], next_token_B[:, None], 0)
+    block = jnp.where(j < num_acc_B[:, None], padded, block)
+    count = jnp.minimum(num_acc_B + 1, max_new - emitted_B)
+    count = first_eos_count(block, count, eos_id)
+    hit_eos = jnp.zeros(count.shape, bool)
+    if eos_id is not None:
+        hit_eos = jnp.any((block == eos_id) & (j < count[:, None]), axis=1)
+    return count, hit_eos, emitted_B + count * act_B, write_rows(out_BN, block, emitted_B)

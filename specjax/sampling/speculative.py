@@ -279,17 +279,9 @@ def _round(
         num_acc, next_token = verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
-    j = jnp.arange(k + 1)[None, :]
-    padded = jnp.pad(x_BK, ((0, 0), (0, 1)))
-    block = jnp.where(j == num_acc[:, None], next_token[:, None], 0)
-    block = jnp.where(j < num_acc[:, None], padded, block)
-    count = jnp.minimum(num_acc + 1, max_new - state.emitted)
-    count = common.first_eos_count(block, count, eos_id)
-    hit_eos = jnp.zeros_like(active)
-    if eos_id is not None:
-        hit_eos = jnp.any((block == eos_id) & (j < count[:, None]), axis=1)
-    emitted = state.emitted + count * act
-    out = common.write_rows(state.out, block, state.emitted)
+    count, hit_eos, emitted, out = common.emit_round(
+        x_BK, num_acc, next_token, state.out, state.emitted, act, max_new=max_new, eos_id=eos_id
+    )
 
     # Proposals count as examined/accepted only where they sit inside the row's output.
     i = jnp.arange(k)[None, :]

@@ -275,17 +275,9 @@ def _round(tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_
     # Emit the path's tokens and the replacement/bonus, cut at eos and at max_new_tokens.
     tok = jnp.concatenate([jnp.zeros_like(state.last[:, None]), tok_BN], axis=1)
     path_tok = jnp.take_along_axis(tok, path, axis=1)
-    j = jnp.arange(depth + 1)[None, :]
-    padded = jnp.pad(path_tok, ((0, 0), (0, 1)))
-    block = jnp.where(j == num_acc[:, None], next_token[:, None], 0)
-    block = jnp.where(j < num_acc[:, None], padded, block)
-    count = jnp.minimum(num_acc + 1, max_new - state.emitted)
-    count = common.first_eos_count(block, count, eos_id)
-    hit_eos = jnp.zeros_like(active)
-    if eos_id is not None:
-        hit_eos = jnp.any((block == eos_id) & (j < count[:, None]), axis=1)
-    emitted = state.emitted + count * act
-    out = common.write_rows(state.out, block, state.emitted)
+    count, hit_eos, emitted, out = common.emit_round(
+        path_tok, num_acc, next_token, state.out, state.emitted, act, max_new=max_new, eos_id=eos_id
+    )
     i = jnp.arange(depth)[None, :]
     counted = (i < count[:, None]) & active[:, None]
     examined = tested & counted
