@@ -33,14 +33,16 @@ _BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft')
 
 
 @struct.dataclass
-class ChainState:
-    """Loop state of the chain sampler (B rows, k proposals, N = max_new_tokens + k + 1).
+class SpeculativeState:
+    """Loop state of the chain and tree samplers (B rows, K = k proposals for a chain or the
+    tree's depth D, N = max_new_tokens + K + 1).
 
     tcache / dcache: target / draft KV caches. last [B]: the newest context token, not yet fed
-    to the target; prev [B]: x_k of the previous round (fed to the draft with `last` when
-    draft_pending [B] is 2). out [B, N] emitted tokens, emitted [B] their count, done [B].
-    round (scalar) batched rounds so far, row_rounds [B] rounds each row was active in;
-    row_examined_per_position / row_accepted_per_position [B, k].
+    to the target; prev [B]: the last accepted proposal of the previous round (x_k, or the
+    depth-D node), fed to the draft with `last` when draft_pending [B] is 2. out [B, N] emitted
+    tokens, emitted [B] their count, done [B]. round (scalar) batched rounds so far, row_rounds
+    [B] rounds each row was active in; row_examined_per_position / row_accepted_per_position
+    [B, K]: rounds in which the row tested / accepted a proposal at position (depth) i + 1.
     """
 
     tcache: KVCache
@@ -179,7 +181,7 @@ def _speculative_core(
     _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
     _, dcache = apply_cached(dgd, dparams, vocab.to_draft(prompts), prompt_lengths - 1, dcache)
     zeros = jnp.zeros((batch,), jnp.int32)
-    state = ChainState(
+    state = SpeculativeState(
         tcache=tcache,
         dcache=dcache,
         last=prompts[rows, prompt_lengths - 1],
@@ -292,7 +294,7 @@ def _round(
     # Roll back: the target keeps last + x_1..x_n; the draft keeps x_1..x_min(n, k-1).
     keep = lambda new, old: jnp.where(active, new, old)
     d_len = dcache.lengths - (k - 1) + jnp.minimum(num_acc, k - 1)
-    return ChainState(
+    return SpeculativeState(
         tcache=tcache.replace(lengths=keep(tcache.lengths + 1 + num_acc, tcache.lengths)),
         dcache=dcache.replace(lengths=keep(d_len, dcache.lengths)),
         last=keep(next_token, state.last),

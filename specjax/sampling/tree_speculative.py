@@ -30,12 +30,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from specjax.models import KVCache, apply_cached, init_cache, split
+from specjax.models import apply_cached, init_cache, split
 from specjax.models.kv_cache import gather_window
 from specjax.sampling import common
 from specjax.sampling import tree as tr
+from specjax.sampling.speculative import SpeculativeState
 from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
 from specjax.sampling.verify import residual
 
@@ -43,31 +43,6 @@ from specjax.sampling.verify import residual
 # 'stale_residual': siblings tested against p_u itself, emit norm(max(0, p_u - q_u)) if all fail;
 # 'unmodified_p': siblings tested against p_u, emit a sample of p_u if all fail.
 _BUGS = (None, 'stale_residual', 'unmodified_p')
-
-
-@struct.dataclass
-class TreeState:
-    """Loop state of the tree sampler (B rows, depth D, N_out = max_new_tokens + D + 1).
-
-    tcache / dcache: target / draft KV caches; last [B] the newest context token (not yet fed
-    to the target); prev [B] the accepted depth-D node's token (fed to the draft with `last`
-    when draft_pending [B] is 2); out [B, N_out], emitted [B], done [B]; round (scalar);
-    row_rounds [B]; row_examined_per_position / row_accepted_per_position [B, D]: rounds in
-    which the row tested / accepted a node at depth d + 1.
-    """
-
-    tcache: KVCache
-    dcache: KVCache
-    last: jax.Array
-    prev: jax.Array
-    draft_pending: jax.Array
-    out: jax.Array
-    emitted: jax.Array
-    done: jax.Array
-    round: jax.Array
-    row_rounds: jax.Array
-    row_examined_per_position: jax.Array
-    row_accepted_per_position: jax.Array
 
 
 def tree_speculative_sample(
@@ -140,7 +115,7 @@ def _tree_core(tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree
     zeros = jnp.zeros((batch,), jnp.int32)
     d = t.max_depth
     out = jnp.zeros((batch, kw['max_new'] + d + 1), jnp.int32)
-    state = TreeState(
+    state = SpeculativeState(
         tcache=tcache, dcache=dcache, last=prompts[jnp.arange(batch), prompt_lengths - 1],
         prev=zeros, draft_pending=zeros + 1, out=out,
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
@@ -294,7 +269,7 @@ def _round(tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_
         order_d = jnp.pad(order_d, ((0, 0), (0, t.num_fed - (depth - 1))))
         dcache = _compact(dcache, dcache.lengths, order_d)
     keep = lambda new, old: jnp.where(active, new, old)
-    return TreeState(
+    return SpeculativeState(
         tcache=tcache.replace(lengths=keep(base + 1 + num_acc, base)),
         dcache=dcache.replace(lengths=keep(dcache.lengths + d_keep, state.dcache.lengths)),
         last=keep(next_token, state.last),
