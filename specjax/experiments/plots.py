@@ -2,7 +2,10 @@
 
 With two grid fields the points are grouped like the paper tables: the second field along x, one
 marker series per value of the first, variants (e.g. a baseline) as a final group. Otherwise one
-marker per point. Uses the Agg backend (no display); reads only the summary dict.
+marker per point. Reads only the summary dict.
+
+Figures are matplotlib `Figure`s made without pyplot (`new_figure`): saving one needs no backend
+and selects none, so a notebook's inline plots keep working after specjax has drawn a PNG.
 """
 
 from __future__ import annotations
@@ -12,10 +15,18 @@ import os
 import re
 import textwrap
 
-import matplotlib
 
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+def new_figure(**kwargs):
+    """A matplotlib Figure outside pyplot (savefig picks Agg for PNGs; the session's backend is
+    left alone). ImportError saying how to install matplotlib when it is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            'specjax draws its plots with matplotlib, which is not installed: pip install '
+            "matplotlib (or pip install -e '.' to get specjax's dependencies)"
+        ) from e
+    return Figure(**kwargs)
 
 
 def _errors(stats: list[dict]) -> tuple[list, list, list]:
@@ -84,7 +95,8 @@ def write_plots(summary: dict, out_dir: str, metrics=()) -> list[str]:
     paths = []
     for name in [m for m in metrics if m in known] or ([] if metrics else list(known)):
         info = known[name]
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig = new_figure(figsize=(8, 4.5))
+        ax = fig.subplots()
         if len(summary['grid_fields']) == 2:
             _grouped(ax, summary, name)
         else:
@@ -96,6 +108,5 @@ def write_plots(summary: dict, out_dir: str, metrics=()) -> list[str]:
         fig.tight_layout()
         path = os.path.join(out_dir, re.sub(r'[^A-Za-z0-9_.-]', '_', name) + '.png')
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths

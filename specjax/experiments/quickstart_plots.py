@@ -6,20 +6,17 @@ speedup_vs_k.png            measured speedup (points) on the predicted tau / (k 
 alpha_over_steps.png        alpha_T1 (solid) and alpha_T0 (dashed) over training, per draft
 acceptance_by_temperature_domain.png
                             acceptance at the reference k per sampling setting and per domain
-Uses the Agg backend (no display).
+Figures come from plots.new_figure (no pyplot, no backend selected).
 """
 
 from __future__ import annotations
 
 import os
 
-import matplotlib
+import numpy as np
 
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from specjax.experiments import quickstart_report as qr  # noqa: E402
+from specjax.experiments import quickstart_report as qr
+from specjax.experiments.plots import new_figure
 
 _MAIN = ('T=0', 'T=1,top_k=0,top_p=1')
 
@@ -28,12 +25,12 @@ def _save(fig, out_dir: str, name: str) -> str:
     fig.tight_layout()
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
 def acceptance_by_position(d: dict, out_dir: str) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig = new_figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, label in zip(axes, _MAIN):
         for stage, (name, _) in qr.PAIRS.items():
             runs = qr.spec_runs(d[stage], label)
@@ -51,7 +48,8 @@ def acceptance_by_position(d: dict, out_dir: str) -> str:
 
 
 def speedup_vs_k(d: dict, out_dir: str) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig = new_figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, label in zip(axes, _MAIN):
         for i, (stage, (name, _)) in enumerate(qr.PAIRS.items()):
             spec = d[stage]
@@ -96,7 +94,8 @@ def speedup_vs_k(d: dict, out_dir: str) -> str:
 
 
 def alpha_over_steps(d: dict, out_dir: str) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = new_figure(figsize=(7, 4))
+    ax = fig.subplots()
     for i, stage in enumerate(('draft_ce', 'draft_distilled', 'cotrain')):
         rows = d['curves'][stage]
         if not rows:
@@ -113,7 +112,8 @@ def alpha_over_steps(d: dict, out_dir: str) -> str:
 
 
 def acceptance_by_temperature_domain(d: dict, out_dir: str) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig = new_figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2, sharey=True)
     k = qr.ref_k(d['spec_distilled'])
     pairs = list(qr.PAIRS.items())
     width = 0.8 / len(pairs)
