@@ -1,5 +1,7 @@
-r"""Co-train a target and a draft from scratch: each step the target takes its cross-entropy step
-and the draft distills from the target's logits of that same forward (before the update).
+r"""Co-train a target and a draft: each step the target takes its cross-entropy step and the draft
+distills from the target's logits of that same forward (before the update). The target starts
+from scratch, or with --config.init.target_workdir=DIR --config.init.target_step=S from step S of
+a pretrain run (params, optimizer state, data position: its schedule continues to train.steps).
 
 Run (2-core CPU: the tiny preset takes about 3 minutes, measured 2.9 min on a shared machine;
 small is estimated at ~15 minutes, configs/target.py small's ~10 plus the draft's share):
@@ -48,6 +50,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
         c.data.get_ref('seq_len'),
     )  # draft Transformer
     c.distill = default_distill_config()  # the draft's loss; prompt_len / max_new_tokens: eval
+    c.init = ml_collections.ConfigDict()  # where the target starts
+    c.init.target_workdir = ''  # '' = from scratch; else a pretrain workdir (same model and data)
+    c.init.target_step = -1  # its checkpoint step to continue from (params, optimizer, data)
     c.sampling = ml_collections.ConfigDict()  # evaluation sampling (top-k / top-p)
     c.sampling.temperature = 1.0  # unused by cotrain's training (no generation)
     c.sampling.top_k = 0  # 0 = all tokens

@@ -11,12 +11,16 @@ Stages, each in its own sub-workdir of --workdir and run by the existing mode fu
   draft_distilled  a draft distilled from the target: FKL on target-generated continuations,
                    the best mean alpha at T = 1 of the DistillSpec ablation (README, Findings:
                    0.653 [0.638, 0.664] vs cross-entropy 0.538 [0.521, 0.549])
-  cotrain          a target-draft pair trained together from scratch (mode cotrain) for the
-                   target's steps: matched compute with target + draft_distilled (report gives
-                   the measured seconds of each)
+  cotrain          a target-draft pair trained together (mode cotrain): the target's pretrain
+                   run continued from its step (target steps - draft steps) with a fresh draft,
+                   so the target takes the same steps as `target` (same batches, same updates)
+                   and the draft as many steps as draft_distilled: matched compute, co-training
+                   against distillation after pretraining (report gives the measured seconds)
   spec_ce, spec_distilled, spec_cotrain
                    mode spec_eval for each pair: acceptance per position, sampling, domain and
-                   length; tau; measured and predicted speedup for every k; c and v(k)
+                   length; tau; measured and predicted speedup for every k at T = 0 and T = 1
+                   (T = 0.7 and top-p 0.9 at k = 4: one sampler compile per (k, sampling)
+                   point is most of this stage's time); c and v(k)
   serve            time to first token, time per output token, tokens/s at batch 1 and 8 of the
                    target alone, the distilled draft alone and both speculative pairs; samples
   report           <workdir>/report.md and <workdir>/plots/*.png, from the stages' JSON only
@@ -30,7 +34,8 @@ Presets (`:size=...`):
   full   (default) a 1.6M-param target and 0.4M-param drafts (README, Quickstart).
   tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU; README has the
          measured, shared-machine times).
-Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400.
+Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400
+(co-training follows: it continues the target's schedule from step target steps - draft steps).
 """
 
 import importlib.util
@@ -43,7 +48,7 @@ from specjax.models import presets
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # size: target (specjax.models.presets.TARGETS name, steps, batch), draft preset (DRAFTS),
-# draft steps, cotrain draft steps = target steps; generated tokens; spec_eval ks.
+# draft steps (also the co-trained draft's); generated tokens; spec_eval ks and samplings.
 _PRESETS = {
     'full': dict(
         target=('quickstart', 400, 16),
@@ -52,6 +57,8 @@ _PRESETS = {
         draft_steps=200,
         new_tokens=48,
         ks=(1, 2, 3, 4, 6),
+        # the k sweep at T = 0 and T = 1; T = 0.7 and top-p 0.9 at the report's k = 4 only
+        samplings=((0.0, 0, 1.0), (0.7, 0, 1.0, (4,)), (1.0, 0, 1.0), (1.0, 0, 0.9, (4,))),
         prompts_per_domain=8,
         vocab_size=4096,
     ),
@@ -61,25 +68,27 @@ _PRESETS = {
         draft='test',
         draft_steps=30,
         new_tokens=16,
-        ks=(1, 2, 4),
+        ks=(1, 2),  # one sampler compile per (k, sampling): the smoke run's main cost
+        samplings=((0.0, 0, 1.0), (1.0, 0, 1.0)),
         prompts_per_domain=4,
         vocab_size=1024,
     ),
 }
 
-# Rough per-stage budgets in seconds for a quiet 2-core CPU (from the throughputs in README,
-# Performance), used only for the ETA, which rescales them by the finished stages' pace.
+# Per-stage seconds on a quiet 2-core CPU (README, Quickstart: the fresh-clone run, scaled by
+# the measured process-CPU ratios of each change), used only for the ETA, which rescales them by
+# the finished stages' pace.
 _ESTIMATES = {
     'full': dict(
-        target=120,
-        draft_ce=45,
-        draft_distilled=150,
+        target=190,
+        draft_ce=65,
+        draft_distilled=100,
         cotrain=150,
-        spec_ce=80,
-        spec_distilled=60,
-        spec_cotrain=60,
-        serve=60,
-        report=5,
+        spec_ce=160,
+        spec_distilled=30,
+        spec_cotrain=35,
+        serve=45,
+        report=3,
     ),
     'tiny': dict(
         target=15,
@@ -176,6 +185,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.cotrain.draft.vocab_size = c.cotrain.data.get_ref('vocab_size')
     c.cotrain.data.seq_len = p['seq_len']
     _train(c.cotrain.train, steps, batch, 3e-3, 4)
+    for field in ('steps', 'batch_size', 'lr', 'warmup_steps', 'eval_every', 'log_every'):
+        c.cotrain.train[field] = c.target.train.get_ref(field)  # the target's schedule, continued
+    branch = c.target.train.get_ref('steps') - c.draft_distilled.train.get_ref('steps')
+    c.cotrain.init.target_step = branch  # ... for the distilled draft's step count
+    c.target.train.checkpoint_every = branch  # (the target's checkpoint co-training starts from)
     c.cotrain.distill.prompt_len = c.draft_distilled.distill.prompt_len
     c.cotrain.distill.max_new_tokens = p['new_tokens']
     c.cotrain.distill.eval_temperatures = (0.0, 1.0)
@@ -190,7 +204,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     ev.max_new_tokens = p['new_tokens']
     ev.batch_size = 8
     ev.ks = p['ks']
-    ev.samplings = ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 1.0), (1.0, 0, 0.9))
+    ev.samplings = p['samplings']  # (temperature, top_k, top_p[, its own ks])
     ev.prompt_len_edges = (32,) if size == 'full' else (16,)
     ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
     ev.timing_repeats = 3 if size == 'full' else 2

@@ -6,6 +6,7 @@ domains and an eos) backs every test that needs one; runs use the real modes wit
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -429,3 +430,81 @@ def test_cotrain_run_writes_results_and_both_models(tmp_path):
     assert draft.config.d_model == 32 and meta['mode'] == 'cotrain'
     target, _ = load_model(workdir)
     assert target.config.d_model == 64
+
+
+def test_cotrain_from_a_pretrain_step_continues_its_target_exactly(tmp_path):
+    """init.target_workdir: the target resumes the pretrain run (params, optimizer, data
+    position), so after co-training to the same step it equals the pretrain run's target."""
+    pre = str(tmp_path / 'pre')
+    c = ml_collections.ConfigDict()
+    c.mode, c.seed = 'pretrain', 0
+    c.model = _teacher_model_cfg()
+    c.data = ml_collections.ConfigDict({'seq_len': T})
+    c.train = _train_cfg(8, checkpoint_every=4)
+    c.mesh = default_mesh_config()
+    pretrain(c, pre, data=PretrainData(_Batches(0), _eval_batches(), TOKENIZER, CORPUS, V, DOMAINS))
+
+    config = _cotrain_config(steps=8)
+    config.train = _train_cfg(8)
+    config.distill.update(eval_generate_batches=0, final_spec_k=0)
+    config.init = ml_collections.ConfigDict({'target_workdir': pre, 'target_step': 4})
+    for field, value, match in (
+        ('target_step', 3, r'config\.init\.target_step=3'),
+        ('target_step', 8, r'config\.init\.target_step=8'),
+    ):
+        bad = ml_collections.ConfigDict(config.to_dict())
+        bad.init[field] = value
+        with pytest.raises(ValueError, match=match):
+            run_cotrain(bad, str(tmp_path / 'bad'), data=_data(seed=0))
+    bad = ml_collections.ConfigDict(config.to_dict())
+    bad.train.lr = 0.5
+    with pytest.raises(ValueError, match=r'config\.train\.lr=0\.5'):
+        run_cotrain(bad, str(tmp_path / 'bad'), data=_data(seed=0))
+    assert not os.path.exists(tmp_path / 'bad' / 'checkpoints')
+
+    co = str(tmp_path / 'co')
+    steps_seen = []
+    run_cotrain(config, co, data=_data(seed=0), on_step=lambda s, _: steps_seen.append(s))
+    assert steps_seen == [5, 6, 7, 8]  # the draft trains for train.steps - init.target_step
+    got, want = _params_bytes(co), _params_bytes(pre)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    start = _params_bytes(pre, step=4)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, start)) > 1e-3  # it did train
+
+
+def test_cross_entropy_only_step_never_reads_the_teacher():
+    """kd_weight 0: the step skips the teacher's forward, so its update is the same whatever the
+    teacher (NaN params included); with kd_weight > 0 the same NaN teacher poisons the update."""
+    from flax import nnx
+
+    from specjax.models import Transformer
+
+    draft = Transformer(TransformerConfig.from_dict(model_config('test', V, 64)), rngs=nnx.Rngs(0))
+    teacher = Transformer(TransformerConfig.from_dict(_teacher_model_cfg()), rngs=nnx.Rngs(1))
+    (dgd, dp), (tgd, tp) = split(draft), split(teacher)
+    nan_tp = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tp)
+    train = _train_cfg(2)
+    tx, schedule = make_optimizer(train), learning_rate_schedule(train)
+    host = _batch(np.random.default_rng(7))
+    mask = sources.data_masks(jnp.asarray(host['segment_ids']))
+    batch = {k: jnp.asarray(host[k]) for k in ('tokens', 'positions', 'segment_ids')}
+    batch.update(loss_mask=mask, ce_mask=mask)
+
+    @functools.cache
+    def jitted(kd_weight):
+        loss = LossSettings(kd_weight=kd_weight, ce_weight=1.0)
+        return jax.jit(
+            lambda s, t, b: distill_step(dgd, tgd, s, t, b, tx=tx, schedule=schedule, loss=loss)
+        )
+
+    def step(teacher_params, kd_weight):
+        state = TrainState(jnp.int32(0), dp, tx.init(dp), jax.random.PRNGKey(0))
+        return jitted(kd_weight)(state, teacher_params, batch)
+
+    (real, m), (nan, _) = step(tp, 0.0), step(nan_tp, 0.0)
+    for a, b in zip(jax.tree.leaves(real.params), jax.tree.leaves(nan.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isfinite(float(m['loss'])) and float(m['loss']) == float(m['ce'])
+    poisoned, _ = step(nan_tp, 0.5)
+    assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(poisoned.params))

@@ -8,6 +8,8 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -43,11 +45,14 @@ def _config(target_lr=3e-3, **steps):
     c = module.get_config('size=tiny')
     c.data.data_dir = prepared_stdlib_dir()
     c.compilation_cache = ''  # tests/conftest.py already set the suite's cache
-    for section, n in (('target', 24), ('draft_ce', 12), ('draft_distilled', 12), ('cotrain', 24)):
+    # cotrain follows the target's schedule from step 24 - 12 (configs/quickstart.py's references)
+    for section, n in (('target', 24), ('draft_ce', 12), ('draft_distilled', 12)):
         t = c[section].train
         t.steps = steps.get(section, n)
         t.warmup_steps, t.log_every = 2, 6
-        t.eval_every, t.checkpoint_every, t.eval_batches = t.steps // 2, t.steps, 2
+        t.eval_every, t.eval_batches = t.steps // 2, 2
+        if section != 'target':  # the target's checkpoint_every is where co-training starts
+            t.checkpoint_every = t.steps
     c.target.train.lr = target_lr
     ev = c.spec_eval.eval
     ev.prompts_per_domain, ev.max_new_tokens, ev.ks = 2, 8, (1, 2)
@@ -169,6 +174,26 @@ def test_missing_matplotlib_fails_before_training(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match='pip install matplotlib'):
         quickstart.run(_config(), str(tmp_path / 'w'))
     assert not os.path.exists(tmp_path / 'w')
+
+
+def test_plots_select_no_backend_and_say_when_matplotlib_is_missing(tmp_path, monkeypatch):
+    """A notebook's inline backend survives specjax's PNGs: pyplot is never imported."""
+    code = (
+        'import sys\n'
+        'from specjax.experiments import plots, quickstart_plots\n'
+        'fig = plots.new_figure(figsize=(2, 2))\n'
+        'fig.subplots().plot([0, 1])\n'
+        'quickstart_plots._save(fig, sys.argv[1], "x.png")\n'
+        'assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"\n'
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, '-c', code, str(tmp_path)], check=True, env=env)
+    assert os.path.getsize(tmp_path / 'x.png') > 0
+    from specjax.experiments import plots
+
+    monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)  # import fails as if absent
+    with pytest.raises(ImportError, match='pip install matplotlib'):
+        plots.new_figure()
 
 
 def test_break_even_counts_tokens_or_never():

@@ -64,6 +64,16 @@ def test_samplings_without_trailing_comma_names_the_field():
         spec_eval.run(c, '/nonexistent/never/created')
 
 
+def test_a_sampling_may_have_its_own_ks_checked_before_loading():
+    c = spec_eval_config()
+    c.eval.update(ks=(1, 2), samplings=((0.0, 0, 1.0), (0.7, 0, 1.0, (3,))))
+    pairs, every_k = spec_eval._check_eval(c.eval)
+    assert [ks for _, ks in pairs] == [(1, 2), (3,)] and every_k == (1, 2, 3)
+    c.eval.samplings = ((0.0, 0, 1.0), (0.7, 0, 1.0, (0,)))
+    with pytest.raises(ValueError, match=r'samplings entry .*0\.7.*its ks must be'):
+        spec_eval.run(c, '/nonexistent/never/created')
+
+
 def test_unknown_field_message_names_only_the_bad_flag():
     argv = [
         'prog',

@@ -165,7 +165,7 @@ def needed_len(d, data_seq_len: int) -> int:
 def validate_common(config, mode: str, sections) -> TransformerConfig:
     """Checks the sections shared by distill and cotrain; returns the draft TransformerConfig."""
     check_keys(config, sections, 'config')
-    missing = sorted(set(sections) - set(config.keys()))
+    missing = sorted(set(sections) - set(config.keys()) - {'init'})  # init: cotrain, optional
     if missing:
         raise ValueError(f'Missing config section(s) {[f"config.{k}" for k in missing]}')
     if config.mode != mode:

@@ -1,8 +1,14 @@
-"""The `cotrain` mode: a target and a draft trained together from scratch, as a loop Task.
+"""The `cotrain` mode: a target and a draft trained together, as a loop Task.
 
 Each step the target takes its cross-entropy step and the draft distills from the target's logits
 of that same forward (before the target's update): one jitted call, one target forward. Both are
 checkpointed (`params` / `model_config` and `draft_params` / `draft_config`).
+
+The target starts from scratch, or (config.init.target_workdir) from step config.init.target_step
+of a pretrain run: its params, optimizer state, step, rng and data position, so co-training
+continues that run's schedule to config.train.steps with a fresh draft. The target's step is the
+pretrain step, so its trajectory is the pretrain run's (same batches, same updates), and the
+co-trained draft trains for train.steps - init.target_step steps.
 """
 
 from __future__ import annotations
@@ -13,8 +19,8 @@ import numpy as np
 from flax import nnx
 
 from specjax import workdir as workdir_lib
-from specjax.checkpoint import abstract_with_shardings
-from specjax.distill.config import validate_common
+from specjax.checkpoint import Checkpoints, abstract_with_shardings
+from specjax.distill.config import check_keys, validate_common
 from specjax.distill.evaluation import Evaluator
 from specjax.distill.modes import (
     COTRAIN_SECTIONS,
@@ -31,7 +37,13 @@ from specjax.models import Transformer, TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
-from specjax.train.state import abstract_model, state_shardings
+from specjax.train.state import TrainState, abstract_model, state_shardings
+
+# config.train fields that must equal the pretrain run's for co-training to continue its schedule.
+_SCHEDULE_FIELDS = (
+    'steps', 'batch_size', 'lr', 'warmup_steps', 'min_lr_ratio', 'b1', 'b2', 'eps',
+    'weight_decay', 'grad_clip',
+)  # fmt: skip
 
 
 def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules):
@@ -68,6 +80,61 @@ def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules):
         return jax.jit(init_fn, out_shardings=shardings)(jnp.int32(seed))
 
     return tgd, dgd, shardings, abstract, init
+
+
+def check_init(config, identity: dict) -> tuple[str, int] | None:
+    """(pretrain workdir, step) of config.init, checked before compiling; None = from scratch.
+
+    ValueError naming the field when the step is missing or not below train.steps, the run's
+    model, tokenizer or corpus differ (ConfigMismatch), or its schedule differs from config.train.
+    """
+    init = config.get('init') or {}
+    check_keys(init, ('target_workdir', 'target_step'), 'config.init')
+    workdir = init.get('target_workdir', '')
+    if not workdir:
+        return None
+    step = int(init.get('target_step', -1))
+    ckpts = Checkpoints(workdir, read_only=True)
+    try:
+        steps = ckpts.all_steps()
+        if step not in steps or not 0 < step < int(config.train.steps):
+            raise ValueError(
+                f'config.init.target_step={step}: needs a checkpoint step of {workdir} (it has '
+                f'{steps}) in (0, config.train.steps={config.train.steps})'
+            )
+        ckpts.check_identity(identity, step)
+        saved = ckpts.metadata(step).get('config', {}).get('train', {})
+    finally:
+        ckpts.close()
+    for field in _SCHEDULE_FIELDS:
+        if field in saved and saved[field] != config.train[field]:
+            raise ValueError(
+                f'config.train.{field}={config.train[field]!r} but {saved[field]!r} in the '
+                f'pretrain run {workdir} (config.init.target_workdir): co-training continues '
+                'its schedule'
+            )
+    return workdir, step
+
+
+def _init_from_pretrain(init, abstract: CotrainState, where: tuple[str, int], batches):
+    """init with the target's state (and data position) read from a pretrain checkpoint."""
+    workdir, step = where
+    train_abstract = TrainState(
+        step=abstract.step, params=abstract.params, opt_state=abstract.opt_state, rng=abstract.rng
+    )
+
+    def init_state():
+        ckpts = Checkpoints(workdir, read_only=True)
+        try:
+            target, data_state, _ = ckpts.restore(train_abstract, step)
+        finally:
+            ckpts.close()
+        batches.set_state(data_state)
+        return init().replace(
+            step=target.step, params=target.params, opt_state=target.opt_state, rng=target.rng
+        )
+
+    return init_state
 
 
 def build_cotrain(config, data: DistillData):
@@ -118,6 +185,14 @@ def build_cotrain(config, data: DistillData):
         batch_sharding=b_sharding,
         seed=config.seed,
     )
+    target_identity = {
+        'model_config': target_cfg.to_dict(),
+        'tokenizer': data.tokenizer,
+        'corpus': data.corpus,
+    }
+    where = check_init(config, target_identity)
+    if where is not None:
+        init = _init_from_pretrain(init, abstract, where, data.train)
     keys = ('tokens', 'positions', 'segment_ids')
 
     def put(batch):
@@ -134,13 +209,9 @@ def build_cotrain(config, data: DistillData):
         batches=data.train,
         put_batch=put,
         evaluate=lambda state: evaluator(state.draft_params, state.params),
-        identity={
-            'model_config': target_cfg.to_dict(),
-            'draft_config': draft_cfg.to_dict(),
-            'tokenizer': data.tokenizer,
-            'corpus': data.corpus,
-            'distill': loss_identity(config),
-        },
+        identity=dict(
+            target_identity, draft_config=draft_cfg.to_dict(), distill=loss_identity(config)
+        ),
         metadata={
             'config': config,
             'num_params': target_cfg.num_params,
@@ -161,7 +232,7 @@ def build_cotrain(config, data: DistillData):
 
 
 def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
-    """Co-trains config.model (target) and config.draft from scratch in `workdir` (locked)."""
+    """Co-trains config.model (target) and config.draft in `workdir` (locked); see module doc."""
     validate_common(config, 'cotrain', COTRAIN_SECTIONS)
     workdir = workdir_lib.resolve(workdir)
     with workdir_lib.hold(workdir, 'cotrain'):

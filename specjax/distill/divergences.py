@@ -232,12 +232,19 @@ def distill_loss(
 
     The optional cross-entropy term uses the draft's untempered logits against `ce_targets_BT`
     over `ce_mask_BT` (defaults to mask_BT). Returns (loss, metrics) with 'divergence' and 'ce'.
+    target_logits_BTV None (only with kd_weight 0: cross-entropy alone) skips the divergence, so
+    a caller need not run the teacher at all; the loss and its gradient are unchanged.
     """
-    target = jax.lax.stop_gradient(target_logits_BTV)
-    div, metrics = divergence_fn(target, draft_logits_BTV, mask_BT, temperature=temperature)
-    scale = float(temperature) ** 2 if scale_by_t2 else 1.0
-    loss = kd_weight * scale * div
-    metrics = dict(metrics, divergence=div)
+    if target_logits_BTV is None:
+        if kd_weight:
+            raise ValueError(f'kd_weight={kd_weight} needs target logits for the divergence')
+        loss, metrics = jnp.float32(0.0), {}
+    else:
+        target = jax.lax.stop_gradient(target_logits_BTV)
+        div, metrics = divergence_fn(target, draft_logits_BTV, mask_BT, temperature=temperature)
+        scale = float(temperature) ** 2 if scale_by_t2 else 1.0
+        loss = kd_weight * scale * div
+        metrics = dict(metrics, divergence=div)
     if ce_weight:
         if ce_targets_BT is None:
             raise ValueError('config.distill.ce_weight > 0 needs data targets for the CE term')

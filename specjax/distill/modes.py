@@ -32,7 +32,7 @@ from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.state import plan_train_state
 
 DISTILL_SECTIONS = ('mode', 'seed', 'draft', 'data', 'train', 'sampling', 'mesh', 'distill')
-COTRAIN_SECTIONS = DISTILL_SECTIONS + ('model',)
+COTRAIN_SECTIONS = DISTILL_SECTIONS + ('model', 'init')
 _IDENTITY_FIELDS = (
     'divergence',
     'beta',

@@ -72,7 +72,7 @@ def draft_loss(graphdef, params, teacher_logits_BTV, batch, loss: LossSettings):
     div_fn = get_divergence(loss.divergence, beta=loss.beta, block_size=loss.block_size)
     total, metrics = distill_loss(
         div_fn,
-        teacher_logits_BTV[:, :-1],
+        None if teacher_logits_BTV is None else teacher_logits_BTV[:, :-1],
         logits[:, :-1],
         batch['loss_mask'],
         temperature=loss.temperature,
@@ -100,8 +100,13 @@ def draft_update(graphdef, params, opt_state, teacher_logits_BTV, batch, *, tx, 
 
 
 def distill_step(draft_gd, teacher_gd, state, teacher_params, batch, *, tx, schedule, loss):
-    """TrainState of the draft + frozen teacher params + batch -> (state, metrics)."""
-    teacher_logits = jax.lax.stop_gradient(forward(teacher_gd, teacher_params, batch))
+    """TrainState of the draft + frozen teacher params + batch -> (state, metrics).
+
+    With kd_weight 0 (cross-entropy only) the teacher's forward is skipped: same loss and update.
+    """
+    teacher_logits = None
+    if loss.kd_weight:
+        teacher_logits = jax.lax.stop_gradient(forward(teacher_gd, teacher_params, batch))
     params, opt_state, metrics = draft_update(
         draft_gd, state.params, state.opt_state, teacher_logits, batch, tx=tx, loss=loss
     )

@@ -54,6 +54,8 @@ def _distill(cfg, wd, root):
 def _cotrain(cfg, wd, root):
     from specjax.distill.cotrain import run_cotrain
 
+    if cfg.init.target_step > 0:
+        cfg.init.target_workdir = os.path.join(root, 'target')
     run_cotrain(cfg, wd)
 
 
@@ -86,7 +88,7 @@ STAGES = (
     Stage('target', 'target', 'results.json', (), _pretrain),
     Stage('draft_ce', 'draft_ce', 'results.json', ('target',), _distill),
     Stage('draft_distilled', 'draft_distilled', 'results.json', ('target',), _distill),
-    Stage('cotrain', 'cotrain', 'results.json', (), _cotrain),
+    Stage('cotrain', 'cotrain', 'results.json', ('target',), _cotrain),
     Stage(
         'spec_ce',
         'spec_eval',

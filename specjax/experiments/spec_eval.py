@@ -1,13 +1,14 @@
 """spec_eval mode: autoregressive vs speculative decoding of a target and draft, measured.
 
 For every sampling setting of config.eval.samplings: the target decodes the prompts alone
-(autoregressive), then with the draft for every k in config.eval.ks. Reported per point: the
-acceptance statistics of specjax.sampling.stats (overall and bucketed by domain, prompt length
-and generated length), wall time per generated token (compiled ahead of time, warm-up excluded),
-measured speedup = autoregressive time per token / speculative time per token, predicted speedup
-= tau / (k c + v(k)) with c and v(k) measured here (specjax.sampling.calibrate), their ratio, the
-optimal k, and peak memory. alpha is measured from logits on the target's own autoregressive
-samples of the same prompts (the distribution speculative decoding reproduces).
+(autoregressive), then with the draft for every k in config.eval.ks (or the setting's own ks).
+Reported per point: the acceptance statistics of specjax.sampling.stats (overall and bucketed by
+domain, prompt length and generated length), wall time per generated token (compiled ahead of
+time, warm-up excluded), measured speedup = autoregressive time per token / speculative time per
+token, predicted speedup = tau / (k c + v(k)) with c and v(k) measured here
+(specjax.sampling.calibrate), their ratio, the optimal k, and peak memory. alpha is measured
+from logits on the target's own autoregressive samples of the same prompts (the distribution
+speculative decoding reproduces).
 
 Entry point: `run(config, workdir)` (mode 'spec_eval'); writes <workdir>/spec_eval.json and
 <workdir>/results.json, holding the workdir lock, and refuses (before loading anything) a workdir
@@ -48,13 +49,23 @@ BUCKET_KEYS = {
 }
 
 
-def _check_eval(ev) -> tuple[list[SamplingConfig], tuple[int, ...]]:
+def _check_ks(ks, where: str) -> tuple[int, ...]:
+    if (
+        not isinstance(ks, tuple | list)
+        or not ks
+        or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks)
+    ):
+        raise ValueError(f'{where} must be a non-empty tuple of positive ints, got {ks!r}')
+    return tuple(int(k) for k in ks)
+
+
+def _check_eval(ev) -> tuple[list[tuple[SamplingConfig, tuple[int, ...]]], tuple[int, ...]]:
+    """([(sampling, its ks)], every k): an entry's optional 4th element replaces config.eval.ks
+    for that setting (e.g. the k sweep at T = 0 and 1 only, one k elsewhere)."""
     for field in ('max_new_tokens', 'batch_size', 'prompts_per_domain'):
         if int(ev[field]) < 1:
             raise ValueError(f'config.eval.{field} must be >= 1, got {ev[field]!r}')
-    ks = tuple(int(k) for k in ev.ks)
-    if not ks or min(ks) < 1:
-        raise ValueError(f'config.eval.ks must be positive ints, got {ev.ks!r}')
+    ks = _check_ks(ev.ks, 'config.eval.ks')
     samplings = []
     if not isinstance(ev.samplings, tuple | list) or not all(
         isinstance(s, tuple | list) for s in ev.samplings
@@ -64,15 +75,16 @@ def _check_eval(ev) -> tuple[list[SamplingConfig], tuple[int, ...]]:
             f'{ev.samplings!r} (one setting needs a trailing comma: ((0.0, 0, 1.0),))'
         )
     for s in ev.samplings:
-        if len(s) != 3:
+        if len(s) not in (3, 4):
             raise ValueError(
-                f'config.eval.samplings entries are (temperature, top_k, top_p), got {s!r}'
+                f'config.eval.samplings entries are (temperature, top_k, top_p[, ks]), got {s!r}'
             )
-        samplings.append(SamplingConfig(float(s[0]), int(s[1]), float(s[2])))
+        own = _check_ks(s[3], f'config.eval.samplings entry {s!r}: its ks') if len(s) > 3 else ks
+        samplings.append((SamplingConfig(float(s[0]), int(s[1]), float(s[2])), own))
     if not samplings:
         raise ValueError('config.eval.samplings is empty')
     _acceptance(ev)
-    return samplings, ks
+    return samplings, tuple(sorted(set().union(*(own for _, own in samplings))))
 
 
 def model_max_lens(config) -> dict[str, tuple[int, str]]:
@@ -338,13 +350,13 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
 
     runs, buckets, optimal = [], {name: [] for name in BUCKET_KEYS}, {}
     models = (target, draft, t_graphdef, d_graphdef, t_params, d_params)
-    for s_idx, sampling in enumerate(samplings):
+    for s_idx, (sampling, sampling_ks) in enumerate(samplings):
         seed = config.seed * 1000 + s_idx
         point_runs, point_buckets, optimal[report.sampling_label(sampling)] = _evaluate_sampling(
             models,
             prompts,
             sampling,
-            ks,
+            sampling_ks,
             cal,
             ev,
             seed=seed,

@@ -38,7 +38,7 @@ class Task:
     """What run_loop needs from a training mode."""
 
     mode: str  # recorded in checkpoint metadata
-    init_state: Callable[[], Any]  # builds a fresh, sharded state
+    init_state: Callable[[], Any]  # builds a fresh, sharded state (its .step: where to start)
     abstract_state: Any  # ShapeDtypeStructs with shardings: checkpoint restore target
     step: Callable[[Any, Any], tuple[Any, dict]]  # jitted (state, device batch) -> (state, metrics)
     batches: Any  # iterator of host batches with JSON get_state() / set_state()
@@ -175,8 +175,8 @@ def _run_loop(task: Task, workdir: str, train_cfg, on_step):
             task.batches.set_state(data_state)
             log(f'resumed from {ckpts.directory} step {start}')
         else:
-            start = 0
             state = task.init_state()
+            start = int(jax.device_get(state.step))  # > 0: continues another run (cotrain init)
         writer = MetricsWriter(workdir)
         metadata = dict(task.metadata, **task.identity, mode=task.mode)
         pending = _TrainMetrics()
