@@ -104,6 +104,18 @@ _ESTIMATES = {
 }
 
 
+# Train fields co-training shares with the target (references: a flag on one sets both).
+_CONTINUED = (
+    'steps',
+    'batch_size',
+    'lr',
+    'warmup_steps',
+    'eval_every',
+    'log_every',
+    'eval_batches',
+)
+
+
 def _load(name: str, arg: str) -> ml_collections.ConfigDict:
     path = os.path.join(_HERE, f'{name}.py')
     spec = importlib.util.spec_from_file_location(f'specjax_configs_{name}', path)
@@ -185,7 +197,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.cotrain.draft.vocab_size = c.cotrain.data.get_ref('vocab_size')
     c.cotrain.data.seq_len = p['seq_len']
     _train(c.cotrain.train, steps, batch, 3e-3, 4)
-    for field in ('steps', 'batch_size', 'lr', 'warmup_steps', 'eval_every', 'log_every'):
+    for field in _CONTINUED:
         c.cotrain.train[field] = c.target.train.get_ref(field)  # the target's schedule, continued
     branch = c.target.train.get_ref('steps') - c.draft_distilled.train.get_ref('steps')
     c.cotrain.init.target_step = branch  # ... for the distilled draft's step count

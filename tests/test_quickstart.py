@@ -98,6 +98,18 @@ def test_every_stage_runs_and_report_has_every_section_and_plot(finished):
         assert f'(plots/{name}.png)' in text
 
 
+def test_cotrained_target_is_the_pretrained_target(finished):
+    """Co-training branched off the target's pretraining at step 24 - 12 with its optimizer state
+    and data position: the co-trained target ends where the pretrained one did."""
+    _, root, _, _ = finished
+    with open(os.path.join(root, 'cotrain', 'results.json')) as f:
+        cotrain = json.load(f)
+    with open(os.path.join(root, 'target', 'results.json')) as f:
+        target = json.load(f)
+    assert cotrain['step'] == 24 and cotrain['num_params_target'] == target['num_params']
+    assert abs(cotrain['target_val_loss'] - target['eval']['loss']) < 1e-4
+
+
 def test_report_numbers_equal_the_json(finished):
     _, workdir, _, _ = finished
     text = open(os.path.join(workdir, 'report.md')).read()
