@@ -13,9 +13,11 @@ Names (also the keys of results.json, T formatted with '%g': T0, T1, T0.7):
   tau_pred_k<k>_T<T>                    Leviathan's E[τ] = (1 − α^{k+1}) / (1 − α) from
                                         alpha_target_generated_T<T> (held-out α without
                                         generation, eval_generate_batches = 0)
-  acceptance_k<k>_T<T>, tau_k<k>_T<T>   measured by speculative_sample at the end: accepted /
-                                        examined, and tokens per target call
-  predicted_speedup_k<k>_T<T>           τ_measured / (k·c + v(k)) with c, v(k) timed here
+  acceptance_k<k>_T<T>, accepted_fraction_k<k>_T<T>, tau_k<k>_T<T>, predicted_speedup_k<k>_T<T>
+                                        the measured speculative run at the end: spec_eval's
+                                        acceptance_rate, accepted_fraction, block_efficiency
+                                        and predicted_speedup (specjax.sampling.pair_eval),
+                                        with c, v(k) timed here (null without calibrate)
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ import numpy as np
 
 from specjax.distill.sources import Generator, prompts_from_batch
 from specjax.models import apply, merge
-from specjax.sampling import SamplingConfig, make_speculative_fn
+from specjax.sampling import SamplingConfig, make_speculative_fn, pair_eval
 from specjax.sampling import stats as stats_lib
 from specjax.sampling.calibrate import calibrate
 from specjax.train.losses import domain_sums, next_token_loss
+
+# results.json key prefix -> pair_eval.point name (the same quantities spec_eval reports)
+SPECULATIVE_KEYS = {
+    'acceptance': 'acceptance_rate',
+    'accepted_fraction': 'accepted_fraction',
+    'tau': 'block_efficiency',
+    'predicted_speedup': 'predicted_speedup',
+}
 
 
 def tname(t: float) -> str:
@@ -210,13 +220,26 @@ class Evaluator:
         return out
 
     def speculative(self, draft_params, target_params) -> dict[str, float]:
-        """Measured acceptance and τ at k = final_spec_k per temperature (+ predicted speedup)."""
+        """Measured acceptance and τ at k = final_spec_k per temperature (+ predicted speedup),
+        by specjax.sampling.pair_eval, the path spec_eval takes; flat keys for sweep tables."""
         k = int(self.d.final_spec_k)
         if not k or not self.eval_batches:
             return {}
-        hosts = self.eval_batches[: self.d.final_spec_batches]
-        prompts = [prompts_from_batch(h, self.d.prompt_len) for h in hosts]
-        out = {}
+        batches = []
+        for h in self.eval_batches[: self.d.final_spec_batches]:
+            prompts, lengths, _ = prompts_from_batch(h, self.d.prompt_len)
+            batches.append((np.arange(prompts.shape[0]), prompts, lengths))
+        cal, out = None, {}
+        if self.d.calibrate:
+            cal = calibrate(
+                merge(self.target_gd, target_params),
+                merge(self.draft_gd, draft_params),
+                batch_size=int(batches[0][1].shape[0]),
+                ks=(k,),
+                context_len=self.d.prompt_len,
+                capacity=self.d.prompt_len + self.d.max_new_tokens + k + 1,
+            )
+            out.update({'cost_ratio_c': cal.c, f'verify_cost_v{k}': cal.v[k]})
         for t in self.temps:
             s = SamplingConfig(temperature=t, top_k=self.sampling.top_k, top_p=self.sampling.top_p)
             fn = make_speculative_fn(
@@ -229,33 +252,10 @@ class Evaluator:
                 mesh=self.mesh,
                 rules=self.rules,
             )
-            tables = []
-            for i, (p, lengths, _) in enumerate(prompts):
-                key = jax.random.fold_in(jax.random.key(self.seed + 2), i)
-                res = fn(target_params, draft_params, p, lengths, key)
-                tables.append(
-                    stats_lib.row_table(res.stats, lengths=res.lengths, emitted=res.lengths)
-                )
-            summary = stats_lib.summarize(stats_lib.reduce_rows(stats_lib.concat_tables(tables)))
-            out[f'acceptance_k{k}_{tname(t)}'] = summary['acceptance_rate']
-            out[f'accepted_fraction_k{k}_{tname(t)}'] = summary['accepted_fraction']
-            out[f'tau_k{k}_{tname(t)}'] = summary['block_efficiency']
-        if self.d.calibrate:
-            cal = calibrate(
-                merge(self.target_gd, target_params),
-                merge(self.draft_gd, draft_params),
-                batch_size=int(prompts[0][0].shape[0]),
-                ks=(k,),
-                context_len=self.d.prompt_len,
-                capacity=self.d.prompt_len + self.d.max_new_tokens + k + 1,
+            params, rng = (target_params, draft_params), jax.random.key(self.seed + 2)
+            p = pair_eval.point(
+                pair_eval.row_table(pair_eval.decode_batches(fn, params, batches, rng)), k, cal
             )
-            out['cost_ratio_c'] = cal.c
-            out[f'verify_cost_v{k}'] = cal.v[k]
-            for t in self.temps:
-                out[f'predicted_speedup_k{k}_{tname(t)}'] = stats_lib.predicted_speedup(
-                    out[f'tau_k{k}_{tname(t)}'], k, cal.c, cal.v
-                )
-        else:
-            for t in self.temps:
-                out[f'predicted_speedup_k{k}_{tname(t)}'] = float('nan')
+            for name, key in SPECULATIVE_KEYS.items():
+                out[f'{name}_k{k}_{tname(t)}'] = p[key]
         return out

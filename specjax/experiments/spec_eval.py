@@ -37,6 +37,7 @@ from specjax.sampling import (
     as_acceptance,
     make_autoregressive_fn,
     make_speculative_fn,
+    pair_eval,
 )
 from specjax.sampling import stats as st
 from specjax.sampling.calibrate import calibrate
@@ -149,10 +150,7 @@ def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed
     compiled = measure.compile_sampler(sampler_fn, params, tok0, len0, rng)
 
     def run_all():
-        return [
-            (rows, compiled(*params, tokens, lengths, jax.random.fold_in(rng, i)))
-            for i, (rows, tokens, lengths) in enumerate(batches)
-        ]
+        return pair_eval.decode_batches(compiled, params, batches, rng)
 
     outputs = [(rows, jax.device_get(out)) for rows, out in jax.block_until_ready(run_all())]
     generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs))
@@ -203,24 +201,16 @@ def _alpha_columns(target, draft, prompts: Prompts, outputs, sampling, batch_siz
 
 
 def _spec_table(prompts: Prompts, outputs, alpha_cols, ev) -> dict:
-    tables = []
-    for rows, out in outputs:
-        n = len(rows)
-        stats = {k: np.asarray(v)[:n] for k, v in out.stats.items() if k.startswith('row_')}
-        lengths = np.asarray(out.lengths)[:n]
-        tables.append(
-            st.row_table(
-                stats,
-                lengths=lengths,
-                emitted=lengths,
-                domain=prompts.domains[rows],
-                prompt_len=st.length_bucket(prompts.lengths[rows], ev.prompt_len_edges),
-                gen_len=st.length_bucket(lengths, ev.gen_len_edges),
-                alpha_sum=alpha_cols[0][rows],
-                alpha_count=alpha_cols[1][rows],
-            )
+    def columns(rows, lengths):
+        return dict(
+            domain=prompts.domains[rows],
+            prompt_len=st.length_bucket(prompts.lengths[rows], ev.prompt_len_edges),
+            gen_len=st.length_bucket(lengths, ev.gen_len_edges),
+            alpha_sum=alpha_cols[0][rows],
+            alpha_count=alpha_cols[1][rows],
         )
-    return st.concat_tables(tables)
+
+    return pair_eval.row_table(outputs, columns)
 
 
 def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, mesh, rules):
@@ -256,10 +246,9 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
     logging.info('%s autoregressive: %.3f ms/token', label, 1e3 * records['ar']['time_per_token_s'])
     for k in ks:
         table = _spec_table(prompts, outputs[k], alpha_cols, ev)
-        summary = st.summarize(st.reduce_rows(table))
-        cost = k * cal.c + cal.v[k]
+        summary = pair_eval.point(table, k, cal)
+        cost, predicted = summary['round_cost'], summary['predicted_speedup']
         measured = float(np.median(per_token['ar'] / per_token[k]))
-        predicted = summary['block_efficiency'] / cost
         # A batch runs until its slowest row is done (padding rows included: they cost time).
         tau_batch = st.safe_ratio(
             sum(float(np.sum(o.lengths)) for _, o in outputs[k]),
@@ -272,10 +261,7 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
                 **tags,
                 method='speculative',
                 k=k,
-                round_cost=cost,
                 measured_speedup=measured,
-                predicted_speedup=predicted,
-                predicted_speedup_from_alpha=summary['expected_block_efficiency'] / cost,
                 speedup_ratio=measured / predicted,
                 batch_block_efficiency=tau_batch,
                 predicted_speedup_batch=tau_batch / cost,

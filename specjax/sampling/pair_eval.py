@@ -1,0 +1,59 @@
+"""One evaluation path for a (target, draft) pair: decode prompt batches with a sampler, tabulate
+the speculative statistics per row, and predict the speedup from the measured c and v(k).
+
+spec_eval (every k and sampling, timed, bucketed) and distillation's final measured run
+(specjax.distill.evaluation) both go through it, so a point's numbers carry one set of names:
+specjax.sampling.stats.summarize's (acceptance_rate, accepted_fraction, block_efficiency = tau,
+acceptance_per_position_*, alpha and expected_block_efficiency when alpha columns are given) plus
+
+  round_cost                     k c + v(k), in target steps (NaN without a calibration)
+  predicted_speedup              block_efficiency / round_cost
+  predicted_speedup_from_alpha   expected_block_efficiency / round_cost
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from specjax.sampling import stats as st
+
+
+def decode_batches(fn, params, batches, rng) -> list:
+    """[(rows, output)]: fn(*params, tokens, lengths, fold_in(rng, i)) for the i-th of `batches`,
+    an iterable of (rows [n], tokens [B, P], lengths [B]); rows index the real (unpadded) rows."""
+    return [
+        (rows, fn(*params, tokens, lengths, jax.random.fold_in(rng, i)))
+        for i, (rows, tokens, lengths) in enumerate(batches)
+    ]
+
+
+def row_table(outputs, columns=None) -> dict[str, np.ndarray]:
+    """The per-row statistics of decode_batches' outputs (padding rows dropped) in one table.
+
+    columns(rows, lengths [n]) -> extra per-row columns (labels, alpha_sum / alpha_count).
+    """
+    tables = []
+    for rows, out in outputs:
+        n = len(rows)
+        stats = {k: np.asarray(v)[:n] for k, v in out.stats.items() if k.startswith('row_')}
+        lengths = np.asarray(out.lengths)[:n]
+        extra = columns(rows, lengths) if columns else {}
+        tables.append(st.row_table(stats, lengths=lengths, emitted=lengths, **extra))
+    return st.concat_tables(tables)
+
+
+def point(table, k: int, cal=None) -> dict:
+    """Summary of a row table at draft length k, with the predicted speedups (see module doc)."""
+    summary = st.summarize(st.reduce_rows(table))
+    cost = k * cal.c + cal.v[k] if cal is not None else math.nan
+    return dict(
+        summary,
+        round_cost=cost,
+        predicted_speedup=st.safe_ratio(summary['block_efficiency'], cost),
+        predicted_speedup_from_alpha=st.safe_ratio(
+            summary.get('expected_block_efficiency', math.nan), cost
+        ),
+    )
