@@ -1,14 +1,8 @@
-"""One evaluation path for a (target, draft) pair: decode prompt batches with a sampler, tabulate
-the speculative statistics per row, and predict the speedup from the measured c and v(k).
-
-spec_eval (every k and sampling, timed, bucketed) and distillation's final measured run
-(specjax.distill.evaluation) both go through it, so a point's numbers carry one set of names:
-specjax.sampling.stats.summarize's (acceptance_rate, accepted_fraction, block_efficiency = tau,
-acceptance_per_position_*, alpha and expected_block_efficiency when alpha columns are given) plus
-
-  round_cost                     k c + v(k), in target steps (NaN without a calibration)
-  predicted_speedup              block_efficiency / round_cost
-  predicted_speedup_from_alpha   expected_block_efficiency / round_cost
+"""One evaluation path for a (target, draft) pair, shared by spec_eval and distillation's final
+measured run: decode prompt batches, tabulate per-row statistics, predict the speedup. A point
+carries stats.summarize's names (acceptance_rate, accepted_fraction, block_efficiency = tau, ...)
+plus round_cost = k c + v(k) (NaN without a calibration), predicted_speedup = tau / round_cost
+and predicted_speedup_from_alpha = expected_block_efficiency / round_cost.
 """
 
 from __future__ import annotations
