@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from sampling_models import GREEDY_MAX_NEW, GREEDY_PROMPTS, greedy_models, ragged_prompts
+from sampling_models import (
+    GREEDY_MAX_NEW,
+    GREEDY_PROMPTS,
+    make_model,
+    perturbed,
+    ragged_prompts,
+    tiny_config,
+)
 
 from specjax.models import (
     Transformer,
@@ -89,32 +96,35 @@ def test_round_trips_are_bit_exact_for_states_and_pure_dicts(pair):
 def test_forward_and_cached_decode_match_token_by_token(pair, highest_precision):
     (gd, params), (sgd, sparams) = split(pair[0]), split(pair[1])
     tokens = _tokens(2, 12)
-    segments = jnp.asarray([[1] * 5 + [2] * 7, [1] * 12])
-    for seg in (None, segments):
-        ref = _apply(gd, params, tokens, None, seg)
-        np.testing.assert_allclose(_apply(sgd, sparams, tokens, None, seg), ref, atol=1e-6)
-    # Prefill of ragged rows (8 and 5 valid tokens), then one token per step from each length.
-    caches = [init_cache(CFG, 2, 24), init_cache(SCFG, 2, 24)]
+    segments = jnp.asarray([[1] * 5 + [2] * 7, [1] * 12])  # causal and block-diagonal
+    ref = _apply(gd, params, tokens, None, segments)
+    np.testing.assert_allclose(_apply(sgd, sparams, tokens, None, segments), ref, atol=1e-6)
+    # Every cached call passes positions and mask (as token trees do; here the defaults), so
+    # the 8-token prefill and the tree call below share one compile per layout.
     models = [(gd, params), (sgd, sparams)]
-    lengths = np.array([8, 5])
-    out = [_cached(*m, tokens[:, :8], jnp.asarray(lengths), c) for m, c in zip(models, caches)]
-    np.testing.assert_allclose(out[1][0], out[0][0], atol=1e-6)
-    caches = [c for _, c in out]
-    for t in range(4):
-        step = tokens[np.arange(2), lengths + t][:, None]
-        out = [_cached(*m, step, jnp.ones(2, jnp.int32), c) for m, c in zip(models, caches)]
+
+    def call(caches, toks, num_valid, mask=None):
+        c = caches[0]
+        positions = c.lengths[:, None] + jnp.arange(toks.shape[1])[None]
+        if mask is None:
+            mask = jnp.arange(c.capacity)[None, None] <= positions[:, :, None]
+        out = [_cached(*m, toks, num_valid, c, positions, mask) for m, c in zip(models, caches)]
         np.testing.assert_allclose(out[1][0], out[0][0], atol=1e-6)
-        caches = [c for _, c in out]
+        return [c for _, c in out]
+
+    lengths = np.array([8, 5])  # ragged prefill, then one token per step from each length
+    caches = call([init_cache(CFG, 2, 24), init_cache(SCFG, 2, 24)], tokens[:, :8], lengths)
+    for t in range(3):
+        step = tokens[np.arange(2), lengths + t][:, None]
+        caches = call(caches, step, jnp.ones(2, jnp.int32))
     assert isinstance(caches[1].k, tuple) and len(caches[1].k) == 3  # per-layer cache kept
     for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(caches[1]), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
-    # Explicit positions and mask (how token trees are scored) go through the scan too.
-    positions = caches[0].lengths[:, None] + jnp.asarray([[0, 1, 1]])
-    mask = jnp.arange(24)[None, None] <= (caches[0].lengths[:, None, None] + jnp.arange(3)[:, None])
-    mask = mask.at[:, 2, caches[0].lengths + 1].set(False)  # node 2 is a sibling of node 1
-    got = [_cached(*m, tokens[:, :3], jnp.zeros(2, jnp.int32), c, positions, mask)[0]
-           for m, c in zip(models, caches)]  # fmt: skip
-    np.testing.assert_allclose(got[1], got[0], atol=1e-6)
+    # An ancestor-only mask: node 2 does not see node 1 (its sibling).
+    cap, base = 24, caches[0].lengths
+    mask = jnp.arange(cap)[None, None] <= (base[:, None, None] + jnp.arange(8)[:, None])
+    mask = mask.at[:, 2, base + 1].set(False)
+    call(caches, tokens[:, 4:], jnp.zeros(2, jnp.int32), mask)
 
 
 def test_gradients_match(pair, highest_precision):
@@ -149,23 +159,22 @@ def test_shardings_map_the_layers_axis(pair):
     assert shardings['blocks']['mlp']['gate'].get_value().spec == P(None, 'fsdp', 'tensor')
 
 
-def test_samplers_give_the_same_tokens():
-    """Greedy chain and tree speculative decoding with a stacked target (and a stacked draft for
-    the chain) emit exactly the unstacked pair's tokens: decode's contract is unchanged."""
-    from specjax.sampling import SamplingConfig, speculative_sample, tree_speculative_sample
+def test_tree_sampler_gives_the_same_tokens():
+    """Greedy tree speculative decoding (tree-masked verification, per-row cache compaction)
+    with a stacked target and draft emits exactly the unstacked pair's tokens."""
+    from specjax.sampling import SamplingConfig, tree_speculative_sample
 
-    target, draft = greedy_models()
+    target = make_model(tiny_config(vocab_size=17, max_len=48, n_layers=2), seed=3, scale=30.0)
+    draft = perturbed(target, seed=4, noise=0.6)  # as sampling_models.greedy_models, 2 layers
     s_target, s_draft = lay.to_layout(target, True), lay.to_layout(draft, True)
     assert type(s_target) is type(target) and s_target.config.scan_layers
     prompts, lengths = ragged_prompts(GREEDY_PROMPTS, 4)
     kw = dict(max_new_tokens=GREEDY_MAX_NEW, sampling=SamplingConfig(0.0), rng=0)
-    ref = speculative_sample(target, draft, prompts, lengths, num_draft_tokens=3, **kw)
-    got = speculative_sample(s_target, s_draft, prompts, lengths, num_draft_tokens=3, **kw)
-    np.testing.assert_array_equal(got.tokens, ref.tokens)
     tree = ((0,), (1,), (0, 0), (0, 1))
     ref = tree_speculative_sample(target, draft, prompts, lengths, tree=tree, **kw)
-    got = tree_speculative_sample(s_target, draft, prompts, lengths, tree=tree, **kw)
+    got = tree_speculative_sample(s_target, s_draft, prompts, lengths, tree=tree, **kw)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
+    assert int(ref.stats['rounds']) < len(lengths) * GREEDY_MAX_NEW  # drafts were accepted
 
 
 def test_checkpoints_load_into_either_layout(pair, tmp_path):
