@@ -62,32 +62,34 @@ class Transformer(nnx.Module):
         return jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.config.dtype)
 
     def _run_blocks(self, x_BTE, positions_BT, mask_BTS, cache=None):
-        """All blocks in order -> (x, per-layer (k, v) caches or None)."""
+        """All blocks in order -> (x, (per-layer k tuple, per-layer v tuple) or None)."""
+        if self.config.scan_layers:
+            return self._scan_blocks(x_BTE, positions_BT, mask_BTS, cache)
         lengths = None if cache is None else cache.lengths
-        if not self.config.scan_layers:
-            kvs = [None] * self.config.n_layers if cache is None else zip(cache.k, cache.v)
-            new = []
-            for block, kv in zip(self.blocks, kvs, strict=True):
-                x_BTE, kv = block(x_BTE, positions_BT, mask_BTS, kv, lengths)
-                new.append(kv)
-            return x_BTE, None if cache is None else (
-                tuple(k for k, _ in new),
-                tuple(v for _, v in new),
-            )
+        kvs = [None] * self.config.n_layers if cache is None else list(zip(cache.k, cache.v))
+        for i, block in enumerate(self.blocks):
+            x_BTE, kvs[i] = block(x_BTE, positions_BT, mask_BTS, kvs[i], lengths)
+        return x_BTE, None if cache is None else tuple(zip(*kvs))
+
+    def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache):
+        """The stacked blocks as one `lax.scan` body over their leading layer axis.
+
+        The cache keeps its per-layer tuples (the samplers' contract): stacked to
+        [n_layers, B, capacity, K, D] for the scan and split again after it.
+        """
         graphdef, stacked = nnx.split(self.blocks)
-        # The cache keeps its per-layer tuples (the samplers' contract); stacked for the scan.
+        lengths = None if cache is None else cache.lengths
         kv_L = None if cache is None else (jnp.stack(cache.k), jnp.stack(cache.v))
 
         def body(x, layer):
             params, kv = layer
             x, kv = nnx.merge(graphdef, params)(x, positions_BT, mask_BTS, kv, lengths)
-            return x, None if kv_L is None else kv
+            return x, None if cache is None else kv
 
         x_BTE, kv_L = jax.lax.scan(body, x_BTE, (stacked, kv_L))
         if cache is None:
             return x_BTE, None
-        n = self.config.n_layers
-        return x_BTE, (tuple(kv_L[0][i] for i in range(n)), tuple(kv_L[1][i] for i in range(n)))
+        return x_BTE, tuple(tuple(a[i] for i in range(self.config.n_layers)) for a in kv_L)
 
     def _logits(self, x_BTE):
         x = self.final_norm(x_BTE)
