@@ -145,6 +145,19 @@ def test_gradients_match(pair, highest_precision):
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(sg['blocks'])) > 1e-4
 
 
+def test_weight_decay_mask_ignores_the_layer_axis(pair):
+    from specjax.train.optimizer import decay_mask
+
+    flat = decay_mask(nnx.state(pair[0]))
+    stacked = decay_mask(nnx.state(pair[1]))
+    block = jax.tree.leaves(flat['blocks'][0])
+    assert jax.tree.leaves(stacked['blocks']) == block and any(block) and not all(block)
+    rest = lambda m: jax.tree.leaves({k: v for k, v in m.items() if k != 'blocks'})
+    assert rest(stacked) == rest(flat)
+    nested = decay_mask({'draft': nnx.state(pair[1])})  # co-training nests models
+    assert jax.tree.leaves(nested['draft']['blocks']) == block
+
+
 def test_shardings_map_the_layers_axis(pair):
     from jax.sharding import PartitionSpec as P
 

@@ -42,6 +42,19 @@ def num_layers(params) -> int:
     return int(jax.tree.leaves(params['blocks'])[0].shape[0])
 
 
+def stacked_axes(path) -> int:
+    """1 if the parameter at `path` (a jax key path) has a leading layer axis, else 0.
+
+    True of every leaf under a stacked 'blocks' (one whose next key is a name, not an index),
+    wherever 'blocks' sits (a co-trained pair's params nest two models).
+    """
+    keys = [getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', None))) for k in path]
+    for i, key in enumerate(keys[:-1]):
+        if key == 'blocks':
+            return 0 if _is_index(keys[i + 1]) else 1
+    return 0
+
+
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
