@@ -4,8 +4,9 @@ r"""Benchmark (not a test): compile time of scanned (scan_layers) vs unrolled bl
 
 For each layout of one randomly initialised model: seconds to trace + lower and to XLA-compile
 the LM train step (forward, backward, AdamW; specjax.train.steps.jit_train_step, state donated)
-and the one-token cached decode call, then the step's run time (median of --steps after a
-warm-up). The persistent compilation cache is off, layouts are interleaved and each figure is
+and the one-token cached decode call, then their run times (medians of --steps train steps and
+10 x --steps decode calls at half capacity, after a warm-up). The persistent compilation cache
+is off, a warm-up compile comes first, the layouts alternate in order and each compile figure is
 the minimum over --repeats, so load from other processes inflates both alike; report the
 unrolled/scanned ratios. Prints a table and one JSON line (also written to --out).
 """
@@ -61,8 +62,26 @@ def _decode(cfg, batch_size, capacity):
     tokens = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
     fn = jax.jit(lambda p, t, n, c: apply_cached(graphdef, p, t, n, c))
     lower_s, lowered = _time(lambda: fn.lower(params, tokens, cache.lengths, cache))
-    compile_s, _ = _time(lowered.compile)
-    return lower_s, compile_s
+    compile_s, compiled = _time(lowered.compile)
+    return lower_s, compile_s, compiled
+
+
+def _decode_seconds(compiled, cfg, batch_size, capacity, calls):
+    """Median seconds of one-token cached calls at half capacity (no tokens kept)."""
+    from flax import nnx
+
+    from specjax.models import Transformer, init_cache, split
+
+    _, params = split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = init_cache(cfg, batch_size, capacity, lengths=np.full(batch_size, capacity // 2))
+    tokens = jnp.ones((batch_size, 1), jnp.int32)
+    zeros = jnp.zeros(batch_size, jnp.int32)
+    times = []
+    for _ in range(calls + 1):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(params, tokens, zeros, cache))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
 
 
 def _run_seconds(compiled, plan, abstract_batch, steps, vocab):
@@ -108,20 +127,28 @@ def main(argv=None):
     layouts = {'unrolled': base, 'scanned': dataclasses.replace(base, scan_layers=True)}
     keys = ('train_lower_s', 'train_compile_s', 'decode_lower_s', 'decode_compile_s')
     best = {name: dict.fromkeys(keys, float('inf')) for name in layouts}
+    # Warm-up: a process's first compile also pays one-off costs (tracing caches, XLA setup).
+    _train_step(dataclasses.replace(base, n_layers=1), args.batch_size, args.seq_len)
+    _decode(dataclasses.replace(base, n_layers=1), args.batch_size, base.max_len)
     compiled = {}
-    for _ in range(args.repeats):
-        for name, cfg in layouts.items():
+    for r in range(args.repeats):
+        for name in sorted(layouts, reverse=bool(r % 2)):  # alternate which layout goes first
+            cfg = layouts[name]
             lower_s, compile_s, step, plan, batch = _train_step(cfg, args.batch_size, args.seq_len)
-            d_lower, d_compile = _decode(cfg, args.batch_size, base.max_len)
+            d_lower, d_compile, decode = _decode(cfg, args.batch_size, base.max_len)
             for key, value in zip(keys, (lower_s, compile_s, d_lower, d_compile), strict=True):
                 best[name][key] = min(best[name][key], value)
-            compiled[name] = (step, plan, batch)
-    for name, (step, plan, batch) in compiled.items():
+            compiled[name] = (step, plan, batch, decode)
+    for name, (step, plan, batch, decode) in compiled.items():
         best[name]['train_step_s'] = _run_seconds(step, plan, batch, args.steps, base.vocab_size)
+        best[name]['decode_call_s'] = _decode_seconds(
+            decode, layouts[name], args.batch_size, base.max_len, 10 * args.steps
+        )
     u, s = best['unrolled'], best['scanned']
-    ratios = {k: u[k] / s[k] for k in (*keys, 'train_step_s')}
+    timed = (*keys, 'train_step_s', 'decode_call_s')
+    ratios = {k: u[k] / s[k] for k in timed}
     print(f'{"":18}{"unrolled":>10}{"scanned":>10}{"ratio":>8}')
-    for k in (*keys, 'train_step_s'):
+    for k in timed:
         print(f'{k:18}{u[k]:10.3f}{s[k]:10.3f}{ratios[k]:8.2f}')
     out = {'args': vars(args), 'num_params': base.num_params, 'unrolled': u, 'scanned': s,
            'ratio_unrolled_over_scanned': ratios}  # fmt: skip
