@@ -296,15 +296,22 @@ def load_model(
     rules=None,
     params_key: str = 'params',
     config_key: str = 'model_config',
+    scan_layers: bool | None = None,
 ):
     """Loads a trained Transformer from `workdir`'s checkpoint -> (model, metadata).
 
     Only the parameters are read (optimizer state is skipped). By default they land on the
     default device; pass `mesh` and `rules` (config.mesh.rules) to restore them sharded.
     params_key / config_key select another model in the state (e.g. a co-trained draft).
+    scan_layers converts to that block layout (None: as saved; see specjax.models.layout), so
+    a workdir saved stacked loads unstacked and vice versa; metadata stays as saved.
     """
     from specjax.models import Transformer, TransformerConfig
+    from specjax.models.layout import to_layout
     from specjax.parallel import param_shardings
+
+    if scan_layers is not None and not isinstance(scan_layers, bool):
+        raise ValueError(f'load_model scan_layers must be None or a bool, got {scan_layers!r}')
 
     def read(step):
         meta = ckpts.metadata(step)
@@ -330,7 +337,16 @@ def load_model(
                 )
             ),
         )
-        return nnx.merge(graphdef, out['state'][params_key]), meta
+        model = nnx.merge(graphdef, out['state'][params_key])
+        if scan_layers is not None and scan_layers != cfg.scan_layers:
+            model = to_layout(model, scan_layers)
+            params = nnx.state(model)
+            if mesh is not None:
+                params = jax.device_put(params, param_shardings(mesh, params, rules))
+            else:
+                params = jax.device_put(params, jax.local_devices()[0])
+            nnx.update(model, params)
+        return model, meta
 
     ckpts = Checkpoints(workdir, read_only=True)
     try:

@@ -147,6 +147,19 @@ def test_import_cli_writes_a_workdir_load_model_reads_back(tmp_path, tiny, impor
     assert HuggingFaceTokenizer.from_file(workdir).identity() == tok.identity()
     again = subprocess.run([*cmd, f'--workdir={workdir}'], env=env, capture_output=True, text=True)
     assert again.returncode != 0 and 'already holds checkpoints' in again.stderr
+    # Imported stacked (--scan_layers): saved in that layout, loads back unstacked on request.
+    from specjax.interop.workdir import import_workdir
+    from specjax.models.layout import stack_layers
+
+    import_workdir(f'gguf:{tiny}', str(tmp_path / 'scan'), scan_layers=True)
+    stacked, meta = load_model(str(tmp_path / 'scan'))
+    assert meta['model_config']['scan_layers'] is True and stacked.config.scan_layers
+    flat, _ = load_model(str(tmp_path / 'scan'), scan_layers=False)
+    assert flat.config == expected.config
+    want = nnx.state(expected)
+    for got, ref in ((nnx.state(flat), want), (nnx.state(stacked), stack_layers(want))):
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def gg_sha(path):

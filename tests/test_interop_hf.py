@@ -235,6 +235,24 @@ def test_import_export_match_transformers(hf_models, name, tmp_path, highest_pre
         np.testing.assert_array_equal(w, original[key], err_msg=key)
 
 
+def test_import_into_scan_layout(hf_models, highest_precision):
+    """model_from_tensors fills a scan_layers model (through the unstacked layout): the same
+    logits as transformers and the unstacked import, and the same tensors back out."""
+    hf_model, directory = hf_models['gqa_untied_llama3']
+    flat = import_llama(directory)
+    tensors = load_file(directory / 'model.safetensors')
+    cfg = dataclasses.replace(flat.config, scan_layers=True)
+    scanned = model_from_tensors(cfg, tensors.__getitem__)
+    assert scanned.config == cfg and scanned.blocks.attn.q.shape == (2, 48, 4, 20)
+    tokens = _tokens(cfg.vocab_size)
+    got = _logits(scanned, tokens)
+    np.testing.assert_allclose(got, _hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, _logits(flat, tokens), atol=1e-6, rtol=0)
+    original = tensors_from_model(flat)
+    for key, w in tensors_from_model(scanned).items():
+        np.testing.assert_array_equal(w, original[key], err_msg=key)
+
+
 def test_sharded_and_bfloat16_checkpoints_import(hf_models, tmp_path):
     import torch
 

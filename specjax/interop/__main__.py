@@ -3,6 +3,7 @@ r"""Real checkpoints in and out of specjax workdirs.
   python -m specjax.interop import --source=smollm2-135m --workdir=/tmp/specjax/smollm2
   python -m specjax.interop import --source=gguf:/path/model.gguf --workdir=DIR
   python -m specjax.interop import --source=hf:/path/llama_dir --workdir=DIR
+  python -m specjax.interop import --source=smollm2-135m --workdir=DIR --scan_layers
   python -m specjax.interop early_exit --workdir=/tmp/specjax/smollm2 \
       --out=/tmp/specjax/smollm2_exit4 --layers=4
   python -m specjax.interop export --workdir=DIR --out=HF_DIR
@@ -22,6 +23,7 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'the specjax workdir written or 
 _OUT = flags.DEFINE_string('out', None, 'early_exit: the draft workdir; export: the HF folder')
 _LAYERS = flags.DEFINE_integer('layers', None, 'early_exit: layers the draft keeps')
 _DTYPE = flags.DEFINE_string('dtype', None, 'import: compute/parameter dtype (default float32)')
+_SCAN = flags.DEFINE_bool('scan_layers', False, 'import: save the blocks stacked (one scan body)')
 
 
 def _need(flag, command):
@@ -36,7 +38,9 @@ def main(argv):
     command = argv[1]
     workdir = _need(_WORKDIR, command)
     if command == 'import':
-        out = wd.import_workdir(_need(_SOURCE, command), workdir, dtype=_DTYPE.value)
+        out = wd.import_workdir(
+            _need(_SOURCE, command), workdir, dtype=_DTYPE.value, scan_layers=_SCAN.value
+        )
     elif command == 'early_exit':
         out = wd.early_exit_workdir(workdir, _need(_OUT, command), _need(_LAYERS, command))
     else:

@@ -17,6 +17,8 @@ Hugging Face names and layouts (torch `nn.Linear` weights are [out, in]):
 
 Both use RoPE's rotate-half layout, so q and k need no permutation. hf.py (safetensors) and
 gguf.py (after undoing llama.cpp's q/k row permutation) both go through `model_from_tensors`.
+The table is in the unstacked layout; a scan_layers model converts through it
+(`specjax.models.layout`), so both layouts import and export.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from flax import nnx
 
 from specjax.models import Transformer, TransformerConfig
 from specjax.models.config import RopeScaling
+from specjax.models.layout import to_layout
 
 SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM',)
 SUPPORTED_MODEL_TYPES = ('llama',)
@@ -179,7 +182,7 @@ class TensorSpec(NamedTuple):
 
 
 def tensor_specs(cfg: TransformerConfig) -> Iterator[TensorSpec]:
-    """Every tensor of a Llama checkpoint of `cfg`, in checkpoint order."""
+    """Every tensor of a Llama checkpoint of `cfg`, in checkpoint order (unstacked paths)."""
     v, e, h, k, d, f = (
         cfg.vocab_size,
         cfg.d_model,
@@ -239,10 +242,14 @@ def model_from_tensors(
 
     get_tensor raises KeyError for a missing name. Every tensor's shape is checked before use;
     parameters are cast to `param_dtype` (default cfg.param_dtype, recorded in the returned
-    model's config). The model is built abstractly (no random initialisation).
+    model's config). The model is built abstractly (no random initialisation); with
+    cfg.scan_layers it is filled unstacked, then stacked.
     """
     if param_dtype is not None and param_dtype != cfg.param_dtype:
         cfg = dataclasses.replace(cfg, param_dtype=param_dtype)
+    if cfg.scan_layers:
+        unstacked = dataclasses.replace(cfg, scan_layers=False)
+        return to_layout(model_from_tensors(unstacked, get_tensor), scan_layers=True)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -262,7 +269,8 @@ def model_from_tensors(
 
 
 def tensors_from_model(model: Transformer) -> dict[str, np.ndarray]:
-    """Every parameter under its HF name and layout, in the parameters' own dtype."""
+    """Every parameter under its HF name and layout, in its own dtype (either model layout)."""
+    model = to_layout(model, scan_layers=False)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out = {}
     for spec in tensor_specs(model.config):

@@ -132,10 +132,18 @@ def write_workdir(
     return workdir
 
 
-def import_workdir(source: str, workdir: str, *, dtype: str | None = None) -> dict:
-    """Imports `source` into `workdir` (see the module docstring); returns a summary."""
+def import_workdir(
+    source: str, workdir: str, *, dtype: str | None = None, scan_layers: bool = False
+) -> dict:
+    """Imports `source` into `workdir` (see the module docstring); returns a summary.
+
+    scan_layers saves the blocks stacked (TransformerConfig.scan_layers; see layout.py).
+    """
+    from specjax.models.layout import to_layout
+
     started = time.perf_counter()
     model, tok, record = load_source(source, dtype=dtype)
+    model = to_layout(model, scan_layers)
     write_workdir(model, tok, workdir, source=record)
     return {
         'workdir': os.path.abspath(workdir),

@@ -3,6 +3,7 @@
 from specjax.models.config import TransformerConfig
 from specjax.models.functional import apply, apply_cached, merge, split
 from specjax.models.kv_cache import KVCache, check_capacity, init_cache
+from specjax.models.layout import stack_layers, to_layout, unstack_layers
 from specjax.models.transformer import Transformer
 
 __all__ = [
@@ -15,4 +16,7 @@ __all__ = [
     'init_cache',
     'merge',
     'split',
+    'stack_layers',
+    'to_layout',
+    'unstack_layers',
 ]

@@ -51,7 +51,10 @@ class TransformerConfig:
     rope_scaling an optional `RopeScaling` (a dict of its fields is accepted). tie_embeddings
     shares the embedding with the output head; norm_eps is RMSNorm's epsilon; dtype is the
     activations' compute dtype (logits and softmax are always float32) and param_dtype the
-    parameters' storage dtype.
+    parameters' storage dtype. scan_layers stores the blocks' parameters stacked along a
+    leading 'layers' axis and runs them with one `lax.scan` body (one compiled block: faster
+    compiles of deep models; see `specjax.models.layout` to convert checkpoints); `to_dict` leaves
+    it out when False.
     """
 
     vocab_size: int
@@ -68,6 +71,7 @@ class TransformerConfig:
     param_dtype: str = 'float32'  # storage dtype of parameters
     head_dim: int | None = None  # None: d_model // n_heads (resolved on construction)
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    scan_layers: bool = False  # blocks stacked on a leading axis, applied by one lax.scan body
 
     def __post_init__(self):
         for name in (
@@ -112,6 +116,10 @@ class TransformerConfig:
             )
         if not self.norm_eps > 0:
             raise ValueError(f'TransformerConfig.norm_eps must be > 0, got {self.norm_eps!r}')
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(
+                f'TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}'
+            )
         for name in ('dtype', 'param_dtype'):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(
@@ -129,10 +137,13 @@ class TransformerConfig:
         return self.vocab_size * d + self.n_layers * block + d + head
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields; head_dim only when it is not d_model // n_heads."""
+        """JSON-ready fields; head_dim only when it is not d_model // n_heads, scan_layers only
+        when True (older configs' dicts stay identical)."""
         d = dataclasses.asdict(self)
         if self.head_dim == self.d_model // self.n_heads and not self.d_model % self.n_heads:
             del d['head_dim']
+        if not self.scan_layers:
+            del d['scan_layers']
         return d
 
     @classmethod

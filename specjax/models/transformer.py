@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models import kv_cache as kvc
 from specjax.models.config import TransformerConfig
 from specjax.models.layers import Attention, RMSNorm, SwiGLU, attend, param
+from specjax.models.layout import stack_layers
 
 
 class Block(nnx.Module):
@@ -32,13 +34,24 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only LM: embed -> n_layers blocks -> RMSNorm -> (tied or untied) float32 logits."""
+    """Decoder-only LM: embed -> n_layers blocks -> RMSNorm -> (tied or untied) float32 logits.
+
+    With config.scan_layers, `blocks` is one Block whose parameters are stacked on a leading
+    [n_layers] axis and the layers run as one `lax.scan` body; built from the same random draws
+    as the unstacked model (so the two equal each other under `layout.stack_layers`).
+    """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         cfg = config
         self.config = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'), cfg.param_dtype)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+        if cfg.scan_layers:
+            graphdef = nnx.graphdef(blocks[0])
+            per_layer = {'blocks': {i: nnx.state(b) for i, b in enumerate(blocks)}}
+            self.blocks = nnx.merge(graphdef, stack_layers(per_layer)['blocks'])
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(
@@ -47,6 +60,36 @@ class Transformer(nnx.Module):
 
     def _embed(self, tokens_BT):
         return jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.config.dtype)
+
+    def _run_blocks(self, x_BTE, positions_BT, mask_BTS, cache=None):
+        """All blocks in order -> (x, (per-layer k tuple, per-layer v tuple) or None)."""
+        if self.config.scan_layers:
+            return self._scan_blocks(x_BTE, positions_BT, mask_BTS, cache)
+        lengths = None if cache is None else cache.lengths
+        kvs = [None] * self.config.n_layers if cache is None else list(zip(cache.k, cache.v))
+        for i, block in enumerate(self.blocks):
+            x_BTE, kvs[i] = block(x_BTE, positions_BT, mask_BTS, kvs[i], lengths)
+        return x_BTE, None if cache is None else tuple(zip(*kvs))
+
+    def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache):
+        """The stacked blocks as one `lax.scan` body over their leading layer axis.
+
+        The cache keeps its per-layer tuples (the samplers' contract): stacked to
+        [n_layers, B, capacity, K, D] for the scan and split again after it.
+        """
+        graphdef, stacked = nnx.split(self.blocks)
+        lengths = None if cache is None else cache.lengths
+        kv_L = None if cache is None else (jnp.stack(cache.k), jnp.stack(cache.v))
+
+        def body(x, layer):
+            params, kv = layer
+            x, kv = nnx.merge(graphdef, params)(x, positions_BT, mask_BTS, kv, lengths)
+            return x, None if cache is None else kv
+
+        x_BTE, kv_L = jax.lax.scan(body, x_BTE, (stacked, kv_L))
+        if cache is None:
+            return x_BTE, None
+        return x_BTE, tuple(tuple(a[i] for i in range(self.config.n_layers)) for a in kv_L)
 
     def _logits(self, x_BTE):
         x = self.final_norm(x_BTE)
@@ -73,9 +116,7 @@ class Transformer(nnx.Module):
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         mask = jnp.broadcast_to(mask, (b, t, t))
-        x = self._embed(tokens)
-        for block in self.blocks:
-            x, _ = block(x, positions, mask)
+        x, _ = self._run_blocks(self._embed(tokens), positions, mask)
         return self._logits(x)
 
     def decode(self, tokens, num_valid, cache: kvc.KVCache, positions=None, mask=None):
@@ -92,13 +133,8 @@ class Transformer(nnx.Module):
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         if mask is None:
             mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
-        x = self._embed(tokens)
-        ks, vs = [], []
-        for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
-            x, (k, v) = block(x, positions, mask, (k, v), cache.lengths)
-            ks.append(k)
-            vs.append(v)
+        x, (ks, vs) = self._run_blocks(self._embed(tokens), positions, mask, cache)
         new_cache = kvc.KVCache(
-            k=tuple(ks), v=tuple(vs), lengths=cache.lengths + jnp.asarray(num_valid, jnp.int32)
+            k=ks, v=vs, lengths=cache.lengths + jnp.asarray(num_valid, jnp.int32)
         )
         return self._logits(x), new_cache

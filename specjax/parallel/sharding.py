@@ -6,9 +6,14 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+# The stacked layer axis of scan_layers models (specjax.models.layout) replicates unless the
+# rules say otherwise, so rules written before that option still cover every parameter.
+IMPLICIT_RULES = (('layers', None),)
+
 
 def _rules_dict(rules) -> dict:
-    return {name: (tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules}
+    table = {name: (tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules}
+    return {**dict(IMPLICIT_RULES), **table}
 
 
 def logical_to_spec(logical_axes, rules) -> PartitionSpec:

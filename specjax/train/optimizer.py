@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import optax
 
+from specjax.models.layout import stacked_axes
+
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
     """Linear warmup 0 -> lr over warmup_steps, cosine decay to lr * min_lr_ratio at `steps`."""
@@ -20,8 +22,11 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """True for matrices (weights, embeddings); False for vectors (norm scales, biases)."""
-    return jax.tree.map(lambda p: p.ndim > 1, params)
+    """True for matrices (weights, embeddings); False for vectors (norm scales, biases).
+
+    A scan_layers model's stacked blocks are judged without their leading layer axis.
+    """
+    return jax.tree_util.tree_map_with_path(lambda path, p: p.ndim - stacked_axes(path) > 1, params)
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:

@@ -1,0 +1,162 @@
+r"""Benchmark (not a test): compile time of scanned (scan_layers) vs unrolled blocks.
+
+  python -m benchmarks.scan_compile [--layers=12] [--d_model=256] [--repeats=2] [--out=PATH]
+
+For each layout of one randomly initialised model: seconds to trace + lower and to XLA-compile
+the LM train step (forward, backward, AdamW; specjax.train.steps.jit_train_step, state donated)
+and the one-token cached decode call, then their run times (medians of --steps train steps and
+10 x --steps decode calls at half capacity, after a warm-up). The persistent compilation cache
+is off, a warm-up compile comes first, the layouts alternate in order and each compile figure is
+the minimum over --repeats, so load from other processes inflates both alike; report the
+unrolled/scanned ratios. Prints a table and one JSON line (also written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _time(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _train_step(cfg, batch_size, seq_len):
+    """(lower seconds, compile seconds, compiled step, plan, batch) of a fresh jit."""
+    from specjax.parallel import DEFAULT_RULES, batch_sharding, default_mesh_config, make_mesh
+    from specjax.train.config import default_train_config
+    from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+    from specjax.train.state import plan_train_state
+    from specjax.train.steps import BATCH_KEYS, jit_train_step
+
+    mesh = make_mesh(default_mesh_config(), jax.devices()[:1])
+    train = default_train_config()
+    tx = make_optimizer(train)
+    plan = plan_train_state(cfg, tx, 0, mesh, DEFAULT_RULES)
+    bs = batch_sharding(mesh, DEFAULT_RULES)
+    step = jit_train_step(
+        plan.graphdef, tx, learning_rate_schedule(train), plan.shardings, bs, mesh
+    )
+    shape = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=bs)
+    abstract_batch = {k: shape for k in BATCH_KEYS}
+    lower_s, lowered = _time(lambda: step.lower(plan.abstract, abstract_batch))
+    compile_s, compiled = _time(lowered.compile)
+    return lower_s, compile_s, compiled, plan, abstract_batch
+
+
+def _decode(cfg, batch_size, capacity):
+    from flax import nnx
+
+    from specjax.models import Transformer, apply_cached, init_cache, split
+
+    graphdef, params = split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch_size, capacity))
+    tokens = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
+    fn = jax.jit(lambda p, t, n, c: apply_cached(graphdef, p, t, n, c))
+    lower_s, lowered = _time(lambda: fn.lower(params, tokens, cache.lengths, cache))
+    compile_s, compiled = _time(lowered.compile)
+    return lower_s, compile_s, compiled
+
+
+def _decode_seconds(compiled, cfg, batch_size, capacity, calls):
+    """Median seconds of one-token cached calls at half capacity (no tokens kept)."""
+    from flax import nnx
+
+    from specjax.models import Transformer, init_cache, split
+
+    _, params = split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = init_cache(cfg, batch_size, capacity, lengths=np.full(batch_size, capacity // 2))
+    tokens = jnp.ones((batch_size, 1), jnp.int32)
+    zeros = jnp.zeros(batch_size, jnp.int32)
+    times = []
+    for _ in range(calls + 1):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(params, tokens, zeros, cache))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def _run_seconds(compiled, plan, abstract_batch, steps, vocab):
+    state = plan.init()
+    tokens = abstract_batch['tokens']
+    b, t = tokens.shape
+    rows = np.random.default_rng(0).integers(1, vocab, (b, t))
+    host = {
+        'tokens': rows,
+        'segment_ids': np.ones((b, t)),
+        'positions': np.broadcast_to(np.arange(t), (b, t)),
+        'domain_ids': np.zeros((b, t)),
+    }
+    batch = {k: jax.device_put(np.asarray(host[k], np.int32), s.sharding)
+             for k, s in abstract_batch.items()}  # fmt: skip
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--layers', type=int, default=12)
+    p.add_argument('--d_model', type=int, default=256)
+    p.add_argument('--batch_size', type=int, default=4)
+    p.add_argument('--seq_len', type=int, default=128)
+    p.add_argument('--repeats', type=int, default=2)
+    p.add_argument('--steps', type=int, default=3)
+    p.add_argument('--out', default='')
+    args = p.parse_args(argv)
+    jax.config.update('jax_enable_compilation_cache', False)
+
+    from specjax.models import TransformerConfig
+
+    base = TransformerConfig(
+        vocab_size=512, d_model=args.d_model, n_layers=args.layers, n_heads=4, n_kv_heads=2,
+        d_ff=4 * args.d_model, max_len=max(args.seq_len, 64),
+    )  # fmt: skip
+    layouts = {'unrolled': base, 'scanned': dataclasses.replace(base, scan_layers=True)}
+    keys = ('train_lower_s', 'train_compile_s', 'decode_lower_s', 'decode_compile_s')
+    best = {name: dict.fromkeys(keys, float('inf')) for name in layouts}
+    # Warm-up: a process's first compile also pays one-off costs (tracing caches, XLA setup).
+    _train_step(dataclasses.replace(base, n_layers=1), args.batch_size, args.seq_len)
+    _decode(dataclasses.replace(base, n_layers=1), args.batch_size, base.max_len)
+    compiled = {}
+    for r in range(args.repeats):
+        for name in sorted(layouts, reverse=bool(r % 2)):  # alternate which layout goes first
+            cfg = layouts[name]
+            lower_s, compile_s, step, plan, batch = _train_step(cfg, args.batch_size, args.seq_len)
+            d_lower, d_compile, decode = _decode(cfg, args.batch_size, base.max_len)
+            for key, value in zip(keys, (lower_s, compile_s, d_lower, d_compile), strict=True):
+                best[name][key] = min(best[name][key], value)
+            compiled[name] = (step, plan, batch, decode)
+    for name, (step, plan, batch, decode) in compiled.items():
+        best[name]['train_step_s'] = _run_seconds(step, plan, batch, args.steps, base.vocab_size)
+        best[name]['decode_call_s'] = _decode_seconds(
+            decode, layouts[name], args.batch_size, base.max_len, 10 * args.steps
+        )
+    u, s = best['unrolled'], best['scanned']
+    timed = (*keys, 'train_step_s', 'decode_call_s')
+    ratios = {k: u[k] / s[k] for k in timed}
+    print(f'{"":18}{"unrolled":>10}{"scanned":>10}{"ratio":>8}')
+    for k in timed:
+        print(f'{k:18}{u[k]:10.3f}{s[k]:10.3f}{ratios[k]:8.2f}')
+    out = {'args': vars(args), 'num_params': base.num_params, 'unrolled': u, 'scanned': s,
+           'ratio_unrolled_over_scanned': ratios}  # fmt: skip
+    print(json.dumps(out))
+    if args.out:
+        with open(args.out, 'w') as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == '__main__':
+    main()
