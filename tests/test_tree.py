@@ -136,6 +136,19 @@ def test_tree_masked_cached_call_scores_every_path(highest_precision):
     np.testing.assert_allclose(logits.reshape(len(ends), -1), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_greedy_children_rank_like_top_k_ties_included():
+    """The greedy tree's argmax passes order children exactly as lax.top_k (ties: lower index)."""
+    import jax
+
+    from specjax.sampling.tree_speculative import _top_ranked
+
+    rng = np.random.default_rng(0)
+    tied = rng.integers(0, 4, (3, 2, 40)).astype(np.float32)  # many ties
+    for top in (1, 2, 3, 5):
+        expected = np.asarray(jax.lax.top_k(tied, top)[1])
+        np.testing.assert_array_equal(np.asarray(_top_ranked(tied, top)), expected)
+
+
 def test_tree_canonical_order():
     assert check_tree([(1,), (0, 0), (0,)]) == ((0,), (1,), (0, 0))
     assert chain(2) == ((0,), (0, 0))

@@ -89,10 +89,10 @@ def _autoregressive_core(
         active = ~state['done']
         act = active.astype(jnp.int32)
         logits, cache = apply_cached(graphdef, params, state['last'][:, None], act, state['cache'])
-        probs = transform_logits(logits[:, 0], sampling)
-        if sampling.greedy:
-            token = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        if sampling.greedy:  # argmax of the logits: transform_logits' one-hot, without it
+            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         else:
+            probs = transform_logits(logits[:, 0], sampling)
             token = sample_from_probs(jax.random.fold_in(rng, state['step']), probs)
         emitted = state['emitted'] + act
         finished = emitted >= max_new

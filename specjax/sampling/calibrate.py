@@ -100,10 +100,14 @@ def timed_call(model, *, batch_size, num_tokens, context_len, capacity, iters, s
     return lambda: fn(params, tokens, cache)
 
 
-def interleaved_times(calls: dict, repeats: int = 5, warmup: int = 1) -> dict[object, list[float]]:
+def interleaved_times(
+    calls: dict, repeats: int = 5, warmup: int = 1, clock=time.perf_counter
+) -> dict[object, list[float]]:
     """Times every call once per repeat, round-robin, so load drift hits all of them alike.
 
-    Returns name -> list of `repeats` wall times (after `warmup` untimed runs of each).
+    Returns name -> list of `repeats` times (after `warmup` untimed runs of each): wall time by
+    default; `clock=time.process_time` gives this process's CPU seconds (all its threads), which
+    other processes' load on a shared machine barely moves.
     """
     for fn in calls.values():
         for _ in range(warmup):
@@ -111,9 +115,9 @@ def interleaved_times(calls: dict, repeats: int = 5, warmup: int = 1) -> dict[ob
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 

@@ -213,6 +213,7 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
     k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
     q_2..q_k; x_k is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax
     and the returned q_i is its one-hot. x and q are in the target's vocabulary.
+    Greedy: x_i is the argmax and q a [B, k, 1] placeholder (greedy verification ignores it).
     """
     act = active.astype(jnp.int32)
     logits, dcache = common.draft_catch_up(
@@ -222,6 +223,9 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
 
     def draw(uniform_B, logits):
         logits = vocab.restrict(logits)
+        if sampling.greedy:  # the argmax, as inverse_cdf of the one-hot would draw; q is unused
+            x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return vocab.token(x), jnp.zeros((x.shape[0], 1), jnp.float32)
         q = transform_logits(logits, sampling)
         if acc.rule == 'argmax_draft':
             x = jnp.argmax(q, axis=-1).astype(jnp.int32)
@@ -264,12 +268,13 @@ def _round(
     tcache = state.tcache
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
     logits, tcache = apply_cached(tgd, tparams, tokens, jnp.zeros_like(act), tcache)
-    p_BKV = transform_logits(logits, sampling)
-    if sampling.greedy:
-        num_acc, next_token = verify_greedy(p_BKV, x_BK)
+    if sampling.greedy:  # argmax of the logits = argmax of transform_logits' one-hot
+        num_acc, next_token = verify_greedy(logits, x_BK)
     elif bug is None:
+        p_BKV = transform_logits(logits, sampling)
         num_acc, next_token = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
     else:
+        p_BKV = transform_logits(logits, sampling)
         extra = {}
         if bug == 'residual_untransformed':
             extra['residual_p_BKV'] = jax.nn.softmax(logits / sampling.temperature, axis=-1)

@@ -144,9 +144,19 @@ def tree_mask(ancestor_NM, lengths_B, capacity: int):
 def _children(q_BWV, logits_BWV, parents, ranks, uniform_BC, sampling, top):
     """Tokens [B, C] of C children whose parents index the W nodes of q_BWV / logits_BWV."""
     if sampling.greedy:
-        ranked = jax.lax.top_k(logits_BWV, top)[1].astype(jnp.int32)  # [B, W, top]
-        return ranked[:, parents, ranks]
+        return _top_ranked(logits_BWV, top)[:, parents, ranks]
     return inverse_cdf(q_BWV[:, parents], uniform_BC)
+
+
+def _top_ranked(logits_BWV, top: int):
+    """int32 [B, W, top]: the `top` largest logits' indices, largest first, ties by lower index
+    (lax.top_k's order). `top` argmax passes: XLA's CPU top_k sorts the whole vocabulary."""
+    ranked, logits = [], logits_BWV
+    for _ in range(top):
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        ranked.append(best)
+        logits = jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], -jnp.inf, logits)
+    return jnp.stack(ranked, axis=-1)
 
 
 def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling):
@@ -242,7 +252,8 @@ def _round(tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_
     positions = base[:, None] + jnp.asarray(t.depth)[None, :]
     mask = tree_mask(t.ancestor, base, tcache.capacity)
     logits, tcache = apply_cached(tgd, tparams, tokens, act * 0, tcache, positions, mask)
-    p_BNV = transform_logits(logits, sampling)
+    # Greedy walks only need argmax p = argmax of the logits (transform_logits is a one-hot).
+    p_BNV = logits if sampling.greedy else transform_logits(logits, sampling)
     path, num_acc, next_token, tested = _walk(
         t, p_BNV, q_BFV, tok_BN, noise[:, n:-1], noise[:, -1], sampling.greedy, bug
     )
