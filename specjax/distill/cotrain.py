@@ -9,28 +9,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from specjax import workdir as workdir_lib
 from specjax.checkpoint import abstract_with_shardings
-from specjax.distill.config import validate_common
-from specjax.distill.evaluation import Evaluator
-from specjax.distill.modes import (
+from specjax.distill.config import (
     COTRAIN_SECTIONS,
-    DistillData,
-    check_vocab,
-    collect_results,
-    finish_results,
-    load_data,
     loss_identity,
     sampling_config,
+    validate_common,
 )
+from specjax.distill.evaluation import Evaluator
+from specjax.distill.results import collect_results, finish_results
+from specjax.distill.sources import DistillData, load_data
 from specjax.distill.steps import CotrainState, LossSettings, jit_cotrain_step
 from specjax.models import Transformer, TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+from specjax.train.runs import batch_placer, check_vocab, locked_workdir
 from specjax.train.state import abstract_model, state_shardings
 
 
@@ -118,14 +114,7 @@ def build_cotrain(config, data: DistillData):
         batch_sharding=b_sharding,
         seed=config.seed,
     )
-    keys = ('tokens', 'positions', 'segment_ids')
-
-    def put(batch):
-        return {
-            k: jax.make_array_from_process_local_data(b_sharding, np.asarray(batch[k]))
-            for k in keys
-        }
-
+    put = batch_placer(b_sharding, ('tokens', 'positions', 'segment_ids'))
     task = Task(
         mode='cotrain',
         init_state=init,
@@ -163,9 +152,7 @@ def build_cotrain(config, data: DistillData):
 def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
     """Co-trains config.model (target) and config.draft from scratch in `workdir` (locked)."""
     validate_common(config, 'cotrain', COTRAIN_SECTIONS)
-    workdir = workdir_lib.resolve(workdir)
-    with workdir_lib.hold(workdir, 'cotrain'):
-        workdir_lib.check_results_owner(workdir, 'cotrain')
+    with locked_workdir(workdir, 'cotrain') as workdir:
         return _run_cotrain(config, workdir, data, on_step)
 
 
