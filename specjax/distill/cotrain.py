@@ -26,7 +26,7 @@ from specjax.models import Transformer, TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
-from specjax.train.runs import batch_placer, check_vocab, locked_workdir
+from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
 from specjax.train.state import abstract_model, state_shardings
 
 
@@ -169,6 +169,11 @@ def _run_cotrain(config, workdir, data, on_step) -> dict:
         {
             'num_params_draft': parts['draft_cfg'].num_params,
             'num_params_target': parts['target_cfg'].num_params,
+            'train_flops': train_flops(
+                [parts['target_cfg'], parts['draft_cfg']],
+                seq_len=config.data.seq_len,
+                tokens=result.step * task.tokens_per_step,
+            ),
         },
     )
     return finish_results(workdir, results, config)

@@ -28,7 +28,7 @@ from specjax.distill.teacher import Teacher, check_compatible, load_teacher, pre
 from specjax.parallel import batch_sharding, make_mesh, param_shardings
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
-from specjax.train.runs import batch_placer, check_vocab, locked_workdir
+from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
 from specjax.train.state import plan_train_state
 
 
@@ -180,6 +180,12 @@ def _run_distill(config, workdir, data, on_step) -> dict:
             'teacher_step': teacher.step,
             'num_params_draft': parts['draft_cfg'].num_params,
             'num_params_target': teacher.config.num_params,
+            'train_flops': train_flops(
+                [parts['draft_cfg']],
+                [teacher.config],
+                seq_len=config.data.seq_len,
+                tokens=result.step * task.tokens_per_step,
+            ),
         },
     )
     return finish_results(workdir, results, config)

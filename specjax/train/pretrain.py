@@ -141,6 +141,9 @@ def _pretrain(config, workdir, data, on_step) -> dict:
         'step': result.step,
         'preempted': result.preempted,
         'num_params': model_cfg.num_params,
+        'train_flops': runs.train_flops(
+            [model_cfg], seq_len=config.data.seq_len, tokens=result.step * task.tokens_per_step
+        ),
         'eval': result.eval,
         'baselines': data.baselines,
         'checkpoint_dir': result.checkpoint_dir,

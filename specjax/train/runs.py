@@ -106,3 +106,12 @@ def batch_placer(b_sharding, keys):
         }
 
     return put
+
+
+def train_flops(trained, frozen=(), *, seq_len: int, tokens: float) -> float:
+    """Training FLOPs for `tokens` tokens of seq_len rows: forward + backward (3 x forward) of
+    each trained TransformerConfig, one forward of each frozen one (a teacher). Generated
+    continuations (distill sources teacher / on_policy) are not counted."""
+    per_token = sum(3 * m.forward_flops_per_token(seq_len) for m in trained)
+    per_token += sum(m.forward_flops_per_token(seq_len) for m in frozen)
+    return float(per_token * tokens)
