@@ -150,3 +150,19 @@ def test_cotrain_vs_distill_smoke_matches_flops(workdirs):
     assert prereq_row['metrics']['train_flops'] == target['train_flops']
     with open(os.path.join(workdir, 'summary.md')) as f:
         assert f'prereq target (complete; train_flops {fmt(target["train_flops"])}' in f.read()
+
+
+def test_tiny_presets_plan_against_the_real_configs(tmp_path):
+    def plan(name):
+        config = ConfigRef(os.path.join(_ABLATIONS, f'{name}.py'), 'size=tiny').load()
+        return plan_sweep(config.sweep, str(tmp_path / name))  # every field checked
+
+    kt = plan('k_temperature')
+    assert len(kt.points) == 4 * 3 * 2 and kt.grid_fields == ('temperature', 'k')
+    assert dict(kt.points[0].resolved)['eval.ks'] == (1,)
+    ds = plan('draft_size')
+    assert ds.labels == ('draft-test', 'draft-tiny', 'draft-small')
+    assert dict(ds.points[-1].resolved)['draft.d_model'] == presets.DRAFTS['small']['d_model']
+    cd = plan('cotrain_vs_distill')
+    assert cd.labels == ('distill', 'ce', 'cotrain')
+    assert os.path.basename(cd.points[-1].config.path) == 'cotrain.py'
