@@ -156,5 +156,5 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     )
     c.sweep.seeds = p['seeds']
     c.sweep.metrics = METRICS
-    c.sweep.minimize = ()
+    c.sweep.minimize = ('c', 'point.v_k')  # costs: lower is better
     return c
