@@ -92,7 +92,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     s = matched_cotrain_steps(
         _model('target', target, vocab, seq_len), _model('draft', draft, vocab, 128), n, m, seq_len
     )
-    data = (('data.vocab_size', vocab),)
+    data = (('data.vocab_size', vocab),) if size == 'smoke' else ()  # smoke: the tests' tokenizer
     c = ml_collections.ConfigDict()
     c.mode = 'sweep'  # specjax.main dispatches on this
     c.sweep = default_sweep_config()  # runner fields: see specjax/experiments/sweep.py
