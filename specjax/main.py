@@ -22,7 +22,7 @@ from specjax.workdir import PREEMPTED_EXIT_CODE, die_with_runner
 # mode -> 'module:function' taking (config, workdir); imported only when chosen.
 MODES = {
     'pretrain': 'specjax.train.pretrain:pretrain',
-    'distill': 'specjax.distill.modes:run_distill',
+    'distill': 'specjax.distill.distill_mode:run_distill',
     'cotrain': 'specjax.distill.cotrain:run_cotrain',
     'spec_eval': 'specjax.experiments.spec_eval:run',
     'sweep': 'specjax.experiments.sweep:run',

@@ -21,7 +21,8 @@ from specjax.checkpoint import Checkpoints, load_model
 from specjax.distill import sources
 from specjax.distill.config import default_distill_config, model_config
 from specjax.distill.cotrain import build_cotrain, run_cotrain
-from specjax.distill.modes import DistillData, build_distill, run_distill
+from specjax.distill.distill_mode import build_distill, run_distill
+from specjax.distill.sources import DistillData
 from specjax.distill.steps import LossSettings, distill_step
 from specjax.distill.teacher import params_fingerprint
 from specjax.models import TransformerConfig, split

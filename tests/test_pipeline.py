@@ -43,7 +43,7 @@ def configured(name, arg, data_dir, **fields):
 
 
 def test_readme_pipeline_with_sigterm_exit_status(toy_data_dir, tmp_path, monkeypatch):
-    from specjax.distill import modes
+    from specjax.distill import distill_mode
     from specjax.experiments import spec_eval
 
     target_wd, draft_wd = str(tmp_path / 'target_tiny'), str(tmp_path / 'distill_test')
@@ -90,11 +90,11 @@ def test_readme_pipeline_with_sigterm_exit_status(toy_data_dir, tmp_path, monkey
     bad = configured('distill', 'size=test', toy_data_dir, **distill_fields)
     bad.draft.vocab_size = 300
     with monkeypatch.context() as m:
-        m.setattr(modes, 'load_data', lambda config: pytest.fail('data loaded first'))
+        m.setattr(distill_mode, 'load_data', lambda config: pytest.fail('data loaded first'))
         with pytest.raises(ValueError, match=r"config\.draft\.vocab_size=300 .* teacher's"):
-            modes.run_distill(bad, draft_wd)
+            distill_mode.run_distill(bad, draft_wd)
     distill = configured('distill', 'size=test', toy_data_dir, **distill_fields)
-    assert modes.run_distill(distill, draft_wd)['step'] == 2
+    assert distill_mode.run_distill(distill, draft_wd)['step'] == 2
 
     # 3. spec_eval on both checkpoints with the preset's default lengths (cache fits max_len).
     ev = configured(

@@ -333,3 +333,28 @@ def test_unfinished_point_with_other_settings_is_moved_aside(base_file, tmp_path
     (stale,) = os.listdir(os.path.join(workdir, 'stale'))
     assert stale.startswith('base__seed-0.')
     assert sweep.read_status(os.path.join(workdir, 'stale', stale))['status'] == 'failed'
+
+
+def test_named_axis_sets_its_fields_and_variant_runs_its_own_config(base_file, tmp_path):
+    other = tmp_path / 'other.py'
+    other.write_text(BASE.replace("c.name = 'a'", "c.name = 'a'\n    c.only_here = 0"))
+    grid = (('size', ((1, {'x': 1.0, 'tup': (1, 1)}), (2, {'x': 2.0, 'tup': (2, 2)}))),)
+    variants = (('alt', {'only_here': 5}, str(other)),)
+    config = make_config(base_file, grid=grid, variants=variants, seeds=1, metrics=('score',))
+    plan = plan_sweep(config.sweep, str(tmp_path / 'w'))
+    assert plan.labels == ('size-1', 'size-2', 'alt') and plan.grid_fields == ('size',)
+    size2 = plan.points[1]
+    assert dict(size2.resolved) == {'x': 2.0, 'tup': (2, 2), 'seed': 0}
+    assert size2.fields == (('size', 2),) and size2.config.path == base_file
+    assert plan.points[2].config.path == str(other)
+    summary = sweep.run(config, str(tmp_path / 'w'), launcher=FakeLauncher())
+    means = {c['label']: c['metrics']['score']['mean'] for c in summary['configurations']}
+    assert means == {'size-1': 1.0, 'size-2': 2.0, 'alt': 1.0}
+    with open(tmp_path / 'w' / 'summary.md') as f:
+        assert '## Run time' in f.read()
+    bad = make_config(base_file, variants=(('alt', {'only_here': 5}),))
+    with pytest.raises(ValueError, match="'only_here' does not exist"):
+        plan_sweep(bad.sweep, str(tmp_path / 'w2'))  # checked against base, which lacks it
+    mixed = make_config(base_file, grid=(('x', (1.0, (2.0, {'x': 2.0}))),))
+    with pytest.raises(ValueError, match='mix of plain values'):
+        plan_sweep(mixed.sweep, str(tmp_path / 'w3'))

@@ -36,7 +36,7 @@ import os
 
 import ml_collections
 
-from specjax.distill.modes import HEADLINE_METRICS
+from specjax.distill.results import HEADLINE_METRICS
 from specjax.experiments.sweep import default_sweep_config
 
 _CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,9 +10,9 @@ import importlib
 
 # name -> module: the modes pull in training, checkpoints and sampling, so import them lazily.
 _LAZY = {
-    'run_distill': 'specjax.distill.modes',
-    'DistillData': 'specjax.distill.modes',
-    'load_data': 'specjax.distill.modes',
+    'run_distill': 'specjax.distill.distill_mode',
+    'DistillData': 'specjax.distill.sources',
+    'load_data': 'specjax.distill.sources',
     'run_cotrain': 'specjax.distill.cotrain',
 }
 

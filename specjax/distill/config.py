@@ -1,4 +1,5 @@
-"""config.distill defaults, model size presets and validation for the distill and cotrain modes.
+"""config.distill defaults, model size presets and validation for the distill and cotrain modes
+(sections, loss identity, vocabulary checks).
 
 Everything a sweep may vary is a typed config field (never None), so `--config.distill.X=...`
 and sweep overrides work. Validation runs before anything is built and raises ValueError naming
@@ -15,10 +16,26 @@ from specjax.distill.divergences import DIVERGENCES, ON_POLICY_ONLY
 from specjax.models import TransformerConfig, presets
 from specjax.sampling import SamplingConfig
 from specjax.train.config import check_keys, validate_train_config
+from specjax.train.runs import check_mesh_config
 
 SOURCES = ('dataset', 'teacher', 'on_policy', 'mixture')
 MIXTURE_BASES = ('dataset', 'teacher')
-LOGICAL_AXES = ('batch', 'length', 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm')
+DISTILL_SECTIONS = ('mode', 'seed', 'draft', 'data', 'train', 'sampling', 'mesh', 'distill')
+COTRAIN_SECTIONS = DISTILL_SECTIONS + ('model', 'init')
+_IDENTITY_FIELDS = (
+    'divergence',
+    'beta',
+    'block_size',
+    'loss_temperature',
+    'scale_by_t2',
+    'kd_weight',
+    'ce_weight',
+    'source',
+    'mixture_lambda',
+    'mixture_base',
+    'prompt_len',
+    'max_new_tokens',
+)
 
 # Draft sizes live in specjax.models.presets (one registry); the name is kept for callers.
 MODEL_PRESETS = presets.DRAFTS
@@ -173,11 +190,7 @@ def validate_common(config, mode: str, sections) -> TransformerConfig:
     validate_train_config(config.train)
     validate_distill_section(config.distill, mode)
     SamplingConfig.from_dict(config.sampling)  # ValueError naming the SamplingConfig field
-    check_keys(config.mesh, ('axes', 'shape', 'rules'), 'config.mesh')
-    ruled = {name for name, _ in config.mesh.rules}
-    missing_axes = [a for a in LOGICAL_AXES if a not in ruled]
-    if missing_axes:
-        raise ValueError(f'config.mesh.rules has no rule for logical axes {missing_axes}')
+    check_mesh_config(config.mesh)
     seq_len = config.data.seq_len
     _check_int(seq_len, 'config.data.seq_len', 2)
     draft = TransformerConfig.from_dict(config.draft)
@@ -188,3 +201,13 @@ def validate_common(config, mode: str, sections) -> TransformerConfig:
             'distill.prompt_len + max_new_tokens (+ final_spec_k + 1))'
         )
     return draft
+
+
+def sampling_config(config) -> SamplingConfig:
+    """config.sampling as a SamplingConfig (generation of teacher / on-policy data)."""
+    return SamplingConfig.from_dict(config.sampling)
+
+
+def loss_identity(config) -> dict:
+    """The config.distill fields a resumed run must match (loss, source, generation)."""
+    return {k: config.distill[k] for k in _IDENTITY_FIELDS}

@@ -15,28 +15,25 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from specjax import workdir as workdir_lib
 from specjax.checkpoint import Checkpoints, abstract_with_shardings
-from specjax.distill.config import check_keys, validate_common
-from specjax.distill.evaluation import Evaluator
-from specjax.distill.modes import (
+from specjax.distill.config import (
     COTRAIN_SECTIONS,
-    DistillData,
-    check_vocab,
-    collect_results,
-    finish_results,
-    load_data,
+    check_keys,
     loss_identity,
     sampling_config,
+    validate_common,
 )
+from specjax.distill.evaluation import Evaluator
+from specjax.distill.results import collect_results, finish_results
+from specjax.distill.sources import DistillData, load_data
 from specjax.distill.steps import CotrainState, LossSettings, jit_cotrain_step
 from specjax.models import Transformer, TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
 from specjax.train.state import TrainState, abstract_model, state_shardings
 
 # config.train fields that must equal the pretrain run's for co-training to continue its schedule.
@@ -193,14 +190,7 @@ def build_cotrain(config, data: DistillData):
     where = check_init(config, target_identity)
     if where is not None:
         init = _init_from_pretrain(init, abstract, where, data.train)
-    keys = ('tokens', 'positions', 'segment_ids')
-
-    def put(batch):
-        return {
-            k: jax.make_array_from_process_local_data(b_sharding, np.asarray(batch[k]))
-            for k in keys
-        }
-
+    put = batch_placer(b_sharding, ('tokens', 'positions', 'segment_ids'))
     task = Task(
         mode='cotrain',
         init_state=init,
@@ -221,6 +211,7 @@ def build_cotrain(config, data: DistillData):
         finite_part=lambda state: (state.params, state.draft_params),
     )
     return task, dict(
+        start_step=0 if where is None else where[1],  # steps before this run's co-training
         evaluator=evaluator,
         draft_cfg=draft_cfg,
         target_cfg=target_cfg,
@@ -234,9 +225,7 @@ def build_cotrain(config, data: DistillData):
 def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
     """Co-trains config.model (target) and config.draft in `workdir` (locked); see module doc."""
     validate_common(config, 'cotrain', COTRAIN_SECTIONS)
-    workdir = workdir_lib.resolve(workdir)
-    with workdir_lib.hold(workdir, 'cotrain'):
-        workdir_lib.check_results_owner(workdir, 'cotrain')
+    with locked_workdir(workdir, 'cotrain') as workdir:
         return _run_cotrain(config, workdir, data, on_step)
 
 
@@ -253,6 +242,11 @@ def _run_cotrain(config, workdir, data, on_step) -> dict:
         {
             'num_params_draft': parts['draft_cfg'].num_params,
             'num_params_target': parts['target_cfg'].num_params,
+            'train_flops': train_flops(  # this run's co-training steps only
+                [parts['target_cfg'], parts['draft_cfg']],
+                seq_len=config.data.seq_len,
+                tokens=(result.step - parts['start_step']) * task.tokens_per_step,
+            ),
         },
     )
     return finish_results(workdir, results, config)

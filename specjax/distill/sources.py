@@ -1,4 +1,5 @@
-"""Training sequences for distillation (DistillSpec): fixed data or model-generated continuations.
+"""Training sequences for distillation (DistillSpec): fixed data or model-generated continuations,
+and load_data, what the distill and cotrain modes read from the data layer.
 
 Every source yields the same batch layout for the jitted step, all [B, T] int32 unless noted:
 tokens, positions, segment_ids, and bool [B, T-1] masks aligned with the logits that predict
@@ -25,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.sampling import PAD_ID, SamplingConfig, make_autoregressive_fn
+from specjax.train import runs
+from specjax.train.runs import RunData
 
 _MIXTURE_TAG = 0x6D6978  # separates the mixture coin stream from other per-step randomness
 _GENERATION_TAG = 0x67656E
@@ -144,3 +147,11 @@ class Generator:
         batch = self._assemble(prompts, lengths, out.tokens, out.lengths)
         batch['domain_ids'] = domains
         return batch
+
+
+DistillData = RunData  # the name distill / cotrain callers and tests use
+
+
+def load_data(config) -> RunData:
+    """The real pipeline (specjax.data) for config.data (eval batches: config.train)."""
+    return runs.load_data(config, num_eval_batches=config.train.eval_batches)

@@ -182,7 +182,30 @@ def collect(plan, sweep) -> dict:
         'metrics': verdicts,
         'configurations': configurations,
         'points': points,
+        'prereqs': [_prereq(plan, run, metrics) for run in plan.prereqs],
     }
+
+
+def _prereq(plan, run, metrics) -> dict:
+    """A prerequisite's status, wall and CPU seconds, and the summary metrics its results.json
+    holds (e.g. train_flops of a pretrained target: the compute a distilled draft builds on)."""
+    wd = point_dir(plan, run)
+    status = read_status(wd) or {}
+    entry = {
+        'name': run.name,
+        'status': status.get('status', 'not run'),
+        'duration_s': status.get('duration_s'),
+        'cpu_s': status.get('cpu_s'),
+        'metrics': {},
+    }
+    path = os.path.join(wd, RESULTS_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            results = json.load(f)
+        entry['results'] = os.path.relpath(path, plan.workdir)
+        found = {m: lookup(results, m) for m in metrics}
+        entry['metrics'] = {m: v for m, v in found.items() if v is not None}
+    return entry
 
 
 def fmt(x: float) -> str:
@@ -264,6 +287,7 @@ def markdown(summary: dict) -> str:
         ]
     warned = [p for p in summary['points'] if 'warning' in p]
     lines += [f'- WARNING {p["name"]}: {p["warning"]}' for p in warned]
+    lines += run_time_table(summary)
     lines += [
         '',
         '## Sources',
@@ -274,6 +298,42 @@ def markdown(summary: dict) -> str:
     ]
     lines += [f'- {c["label"]}: ' + ', '.join(f'`{s}`' for s in c['sources']) for c in confs]
     return '\n'.join(lines) + '\n'
+
+
+def _mean_s(values) -> str:
+    values = [v for v in values if v is not None]
+    return fmt(float(np.mean(values))) if values else '—'
+
+
+def run_time_table(summary: dict) -> list[str]:
+    """Mean wall and CPU seconds of each configuration's finished points, then each
+    prerequisite with the summary metrics its results.json holds."""
+    done = [p for p in summary['points'] if p['status'] == 'complete']
+    lines = [
+        '',
+        '## Run time',
+        '',
+        'Seconds per point (mean over finished seeds; wall time on '
+        'a possibly shared machine, CPU = user + system of the point process).',
+        '',
+    ]
+    lines += [_row(['point', 'wall s', 'CPU s']), _row(['---'] * 3)]
+    for c in summary['configurations']:
+        mine = [p for p in done if p['label'] == c['label']]
+        wall, cpu = [p['duration_s'] for p in mine], [p.get('cpu_s') for p in mine]
+        lines.append(_row([c['label'], _mean_s(wall), _mean_s(cpu)]))
+    for p in summary.get('prereqs', []):
+        extra = ', '.join(f'{k} {fmt(v)}' for k, v in p['metrics'].items())
+        lines.append(
+            _row(
+                [
+                    f'prereq {p["name"]} ({p["status"]}{"; " + extra if extra else ""})',
+                    _mean_s([p['duration_s']]),
+                    _mean_s([p['cpu_s']]),
+                ]
+            )
+        )
+    return lines
 
 
 def pivot_tables(summary: dict) -> list[str]:

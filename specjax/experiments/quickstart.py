@@ -45,7 +45,7 @@ def _pretrain(cfg, wd, root):
 
 
 def _distill(cfg, wd, root):
-    from specjax.distill.modes import run_distill
+    from specjax.distill.distill_mode import run_distill
 
     cfg.distill.teacher_workdir = os.path.join(root, 'target')
     run_distill(cfg, wd)

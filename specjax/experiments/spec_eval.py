@@ -415,6 +415,17 @@ def headline(result: dict) -> dict:
             'predicted': o['predicted_optimal_k'],
             'best_measured': o['best_measured_k'],
         }
+    spec = [r for r in result['runs'] if r['method'] == 'speculative']
+    if len(spec) == 1:  # one (k, sampling): the same keys at every sweep point (k_temperature)
+        r, v = spec[0], result['calibration']['v']
+        node = out[report.key_safe(r['sampling_label'])]
+        out['point'] = dict(
+            node[f'k{r["k"]}'],
+            k=r['k'],
+            temperature=r['sampling']['temperature'],
+            v_k=v.get(r['k'], v.get(str(r['k']))),
+            autoregressive_time_per_token_s=node['autoregressive']['time_per_token_s'],
+        )
     return out
 
 

@@ -6,8 +6,12 @@ A sweep config (configs/ablations/*.py) has `config.mode = 'sweep'` and a `confi
   prereqs     tuple of dicts {'name', 'config', 'overrides'}: runs done once, first, in
               <workdir>/prereq/<name>; in order, so a later one may refer to an earlier one
   overrides   ((dotted_field, value), ...) applied to every point
-  grid        ((dotted_field, (value, ...)), ...): the points are the product of the values
-  variants    ((name, {dotted_field: value, ...}), ...): extra points outside the product
+  grid        ((dotted_field, (value, ...)), ...): the points are the product of the values; an
+              axis may instead be named, its values setting several fields each:
+              (axis_name, ((value, {dotted_field: v, ...}), ...)) (e.g. k -> eval.ks = (k,))
+  variants    ((name, {dotted_field: value, ...}), ...): extra points outside the product; a
+              third element 'path.py[:arg]' runs that variant with its own config instead of
+              base (every override, common ones included, is checked against it)
   seeds       n seeds per configuration, first_seed .. first_seed + n - 1 (a tuple of seeds also
               works when the config is built in Python); each sets `config.seed`
 
@@ -249,51 +253,55 @@ def plan_sweep(sweep: ml_collections.ConfigDict, workdir: str) -> SweepPlan:
         refs[f'prereq.{name}'] = os.path.join(workdir, 'prereq', name)
 
     common = as_pairs(sweep.get('overrides'), 'config.sweep.overrides')
-    grid = as_pairs(sweep.get('grid'), 'config.sweep.grid')
-    for field, values in grid:
-        if isinstance(values, str) or not isinstance(values, Sequence) or not values:
-            raise ValueError(f'config.sweep.grid {field!r} needs a non-empty tuple of values')
-    grid_fields = tuple(f for f, _ in grid)
+    axes = [_axis(field, values) for field, values in as_pairs(sweep.get('grid'), 'grid')]
+    grid_fields = tuple(f for f, _ in axes)
     _no_seed(common, 'config.sweep.overrides')
-    _no_seed(grid, 'config.sweep.grid')
-    configurations = []  # (label, fields, overrides)
-    if grid:
+    for _, values in axes:
+        for _, sets in values:
+            _no_seed(sets, 'config.sweep.grid')
+    configurations = []  # (label, fields, overrides, config)
+    if axes:
         short = _short_names(grid_fields)
-        for combo in itertools.product(*[values for _, values in grid]):
-            fields = tuple(zip(grid_fields, combo))
+        for combo in itertools.product(*[values for _, values in axes]):
+            fields = tuple((f, v) for f, (v, _) in zip(grid_fields, combo))
             label = '__'.join(f'{short[f]}-{_value_text(v)}' for f, v in fields)
-            configurations.append((label, fields, fields))
+            overrides = tuple(pair for _, sets in combo for pair in sets)
+            configurations.append((label, fields, overrides, base))
     variant_labels = []
     for i, item in enumerate(sweep.get('variants') or ()):
         what = f'config.sweep.variants[{i}]'
-        if not (isinstance(item, Sequence) and len(item) == 2):
-            raise ValueError(f'{what} must be (name, {{field: value}}), got {item!r}')
+        if not (isinstance(item, Sequence) and len(item) in (2, 3)):
+            raise ValueError(f'{what} must be (name, {{field: value}}[, config]), got {item!r}')
         name = _check_name(item[0], f'{what} name')
         overrides = as_pairs(item[1], what)
         _no_seed(overrides, what)
+        ref = ConfigRef.parse(item[2], f'{what} config') if len(item) == 3 else base
         fields = tuple((f, v) for f, v in overrides if f in grid_fields)
-        configurations.append((name, fields, overrides))
+        configurations.append((name, fields, overrides, ref))
         variant_labels.append(name)
     if not configurations:
-        configurations.append(('base', (), ()))
+        configurations.append(('base', (), (), base))
     labels = [c[0] for c in configurations]
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
         raise ValueError(f'config.sweep: point name(s) {dupes} occur twice (grid vs variants?)')
 
     seeds = seeds_of(sweep.get('seeds', 1), sweep.get('first_seed', 0))
-    check_field(base_config, 'seed', seeds[0], f'config.sweep.base ({base.flag})')
+    loaded = {base.flag: base_config}
     points = []
-    for label, fields, own in configurations:
+    for label, fields, own, ref in configurations:
+        if ref.flag not in loaded:
+            loaded[ref.flag] = ref.load()
+        check_field(loaded[ref.flag], 'seed', seeds[0], f'point {label} ({ref.flag})')
         merged = dict(common)
         merged.update(own)
         for seed in seeds:
             overrides = tuple(merged.items()) + (('seed', seed),)
             resolved = _resolve_pairs(overrides, refs, f'point {label}')
             for k, v in resolved:
-                check_field(base_config, k, v, f'point {label} ({base.flag})')
+                check_field(loaded[ref.flag], k, v, f'point {label} ({ref.flag})')
             name = f'{label}__seed-{seed}'
-            points.append(Run(name, 'point', base, overrides, resolved, label, seed, fields))
+            points.append(Run(name, 'point', ref, overrides, resolved, label, seed, fields))
     return SweepPlan(
         workdir,
         base,
@@ -303,6 +311,30 @@ def plan_sweep(sweep: ml_collections.ConfigDict, workdir: str) -> SweepPlan:
         tuple(labels),
         tuple(variant_labels),
     )
+
+
+def _axis(field: str, values) -> tuple[str, tuple]:
+    """A grid axis -> (name, ((value, ((dotted_field, v), ...)), ...)).
+
+    Plain: (dotted_field, (v, ...)), each value setting that field. Named: (axis_name,
+    ((value, {dotted_field: v, ...}), ...)), each value setting the fields of its mapping.
+    """
+    what = f'config.sweep.grid {field!r}'
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise ValueError(f'{what} needs a non-empty tuple of values')
+    named = [
+        isinstance(v, Sequence)
+        and not isinstance(v, str)
+        and len(v) == 2
+        and isinstance(v[1], Mapping | ml_collections.ConfigDict)
+        for v in values
+    ]
+    if any(named) and not all(named):
+        raise ValueError(f'{what}: mix of plain values and (value, {{field: v}}) pairs')
+    if not all(named):
+        return field, tuple((v, ((field, v),)) for v in values)
+    _check_name(field, f'{what} (a named axis)')
+    return field, tuple((v, as_pairs(sets, f'{what} value {v!r}')) for v, sets in values)
 
 
 def format_override(field: str, value) -> str:

@@ -136,6 +136,15 @@ class TransformerConfig:
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.n_layers * block + d + head
 
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of a causal row of seq_len tokens: 2 x matmul weights (the
+        output head included, tied or not) + QK^T and AV over the mean (seq_len + 1) / 2 keys."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
+        weights = self.n_layers * (attn + 3 * d * self.d_ff) + d * self.vocab_size
+        scores = self.n_layers * 2 * 2 * self.n_heads * hd * (seq_len + 1) / 2
+        return 2.0 * weights + scores
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields; head_dim only when it is not d_model // n_heads, scan_layers only
         when True (older configs' dicts stay identical)."""

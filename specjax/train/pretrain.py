@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
 
 import jax
 import numpy as np
@@ -13,6 +11,7 @@ from specjax import workdir as workdir_lib
 from specjax.data import default_data_config
 from specjax.models import TransformerConfig
 from specjax.parallel import batch_sharding, logical_to_spec, make_mesh
+from specjax.train import runs
 from specjax.train.config import check_keys, validate_train_config
 from specjax.train.loop import LoopResult, Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -20,20 +19,9 @@ from specjax.train.state import plan_train_state
 from specjax.train.steps import BATCH_KEYS, jit_eval_step, jit_train_step
 
 CONFIG_SECTIONS = ('mode', 'seed', 'model', 'data', 'train', 'mesh')
-LOGICAL_AXES = ('batch', 'length', 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm')
 
 
-@dataclasses.dataclass
-class PretrainData:
-    """Everything pretraining reads from the data pipeline (tests pass synthetic ones)."""
-
-    train: Any  # iterator of batch dicts (np.int32 [B/process_count, T]) with get/set_state
-    eval_batches: list[dict]  # fixed validation batches, same shapes as train
-    tokenizer: dict  # tokenizer identity (checked on resume)
-    corpus: dict  # corpus identity (checked on resume)
-    vocab_size: int  # tokenizer vocabulary size (model.vocab_size must cover it)
-    domains: tuple[str, ...]  # names of domain ids 0..D-1
-    baselines: dict[str, float] = dataclasses.field(default_factory=dict)  # validation nats
+PretrainData = runs.RunData  # the name pretrain's callers and tests use
 
 
 def validate_config(config) -> TransformerConfig:
@@ -51,11 +39,7 @@ def validate_config(config) -> TransformerConfig:
         raise ValueError(
             f'config.data.seq_len={seq_len} is above config.model.max_len={model_cfg.max_len}'
         )
-    check_keys(config.mesh, ('axes', 'shape', 'rules'), 'config.mesh')
-    ruled = {name for name, _ in config.mesh.rules}
-    missing = [a for a in LOGICAL_AXES if a not in ruled]
-    if missing:
-        raise ValueError(f'config.mesh.rules has no rule for logical axes {missing}')
+    runs.check_mesh_config(config.mesh)
     if config.train.batch_size % jax.process_count():
         raise ValueError(
             f'config.train.batch_size={config.train.batch_size} does not divide over '
@@ -74,52 +58,6 @@ def check_batch_divides(batch_size: int, mesh, rules) -> None:
             f'config.train.batch_size={batch_size} does not divide over the {shards} devices of '
             f'mesh axes {axes} that shard the batch'
         )
-
-
-def open_pipeline(config, *, num_eval_batches: int):
-    """(tokenizer, train iterator, eval batches) of the real pipeline for config.data."""
-    from specjax import data as data_lib
-
-    tok = data_lib.build_tokenizer(config.data)
-    train = data_lib.make_train_iterator(
-        config.data, tok, global_batch_size=config.train.batch_size, seed=config.seed
-    )
-    eval_batches = list(
-        data_lib.make_eval_batches(
-            config.data,
-            tok,
-            global_batch_size=config.train.batch_size,
-            max_batches=num_eval_batches,
-        )
-    )
-    return tok, train, eval_batches
-
-
-def load_data(config, *, num_eval_batches: int) -> PretrainData:
-    """The real pipeline (specjax.data) for config.data, with the corpus's baselines."""
-    from specjax import data as data_lib
-
-    tok, train, eval_batches = open_pipeline(config, num_eval_batches=num_eval_batches)
-    baselines = data_lib.baseline_losses(config.data, tok, batches=eval_batches)
-    return PretrainData(
-        train=train,
-        eval_batches=eval_batches,
-        tokenizer=tok.identity(),
-        corpus=data_lib.corpus_identity(config.data),
-        vocab_size=tok.vocab_size,
-        domains=tuple(data_lib.open_dataset(config.data).domain_names),
-        baselines={k: float(baselines[k]) for k in ('bigram', 'unigram') if k in baselines},
-    )
-
-
-def _put(batch_sharding_):
-    def put(batch):
-        return {
-            k: jax.make_array_from_process_local_data(batch_sharding_, np.asarray(batch[k]))
-            for k in BATCH_KEYS
-        }
-
-    return put
 
 
 def make_evaluate(eval_step, eval_batches, domains):
@@ -146,11 +84,7 @@ def make_evaluate(eval_step, eval_batches, domains):
 def build_task(config, data: PretrainData) -> tuple[Task, TransformerConfig]:
     """Validates, plans the sharded state and jits the steps (compilation happens lazily)."""
     model_cfg = validate_config(config)
-    if model_cfg.vocab_size < data.vocab_size:
-        raise ValueError(
-            f'config.model.vocab_size={model_cfg.vocab_size} is below the tokenizer vocabulary '
-            f'size {data.vocab_size}'
-        )
+    runs.check_vocab(model_cfg, data, 'config.model')
     mesh = make_mesh(config.mesh)
     rules = config.mesh.rules
     check_batch_divides(config.train.batch_size, mesh, rules)
@@ -160,7 +94,7 @@ def build_task(config, data: PretrainData) -> tuple[Task, TransformerConfig]:
     step = jit_train_step(
         plan.graphdef, tx, learning_rate_schedule(config.train), plan.shardings, b_sharding, mesh
     )
-    put = _put(b_sharding)
+    put = runs.batch_placer(b_sharding, BATCH_KEYS)
     evaluate = None
     if data.eval_batches:
         eval_step = jit_eval_step(
@@ -194,21 +128,22 @@ def pretrain(config, workdir: str, *, data: PretrainData | None = None, on_step=
     config and its hash. Holds the workdir lock for the whole run.
     """
     validate_config(config)
-    workdir = workdir_lib.resolve(workdir)
-    with workdir_lib.hold(workdir, 'pretrain'):
+    with runs.locked_workdir(workdir, 'pretrain') as workdir:
         return _pretrain(config, workdir, data, on_step)
 
 
 def _pretrain(config, workdir, data, on_step) -> dict:
-    workdir_lib.check_results_owner(workdir, 'pretrain')
     if data is None:
-        data = load_data(config, num_eval_batches=config.train.eval_batches)
+        data = runs.load_data(config, num_eval_batches=config.train.eval_batches, baselines=True)
     task, model_cfg = build_task(config, data)
     result: LoopResult = run_loop(task, workdir, config.train, on_step=on_step)
     results = {
         'step': result.step,
         'preempted': result.preempted,
         'num_params': model_cfg.num_params,
+        'train_flops': runs.train_flops(
+            [model_cfg], seq_len=config.data.seq_len, tokens=result.step * task.tokens_per_step
+        ),
         'eval': result.eval,
         'baselines': data.baselines,
         'checkpoint_dir': result.checkpoint_dir,

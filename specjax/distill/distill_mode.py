@@ -1,22 +1,23 @@
-"""The `distill` mode as a Task for the shared training loop, plus what `cotrain` shares with it
-(data, config checks, results).
-
-distill: a draft learns from a frozen target checkpoint (config.distill.teacher_workdir). Both
-modes write <workdir>/results.json with the keys of specjax.distill.evaluation (alpha_T1,
-acceptance_k4_T1, tau_k4_T1, predicted_speedup_k4_T1, draft_val_loss, ...).
+"""The `distill` mode as a Task for the shared training loop: a draft learns from a frozen target
+checkpoint (config.distill.teacher_workdir) and writes <workdir>/results.json with the keys of
+specjax.distill.evaluation (alpha_T1, acceptance_k4_T1, tau_k4_T1, predicted_speedup_k4_T1,
+draft_val_loss, ...; see specjax.distill.results).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 
-from specjax import workdir as workdir_lib
 from specjax.distill import sources
-from specjax.distill.config import validate_common
+from specjax.distill.config import (
+    DISTILL_SECTIONS,
+    loss_identity,
+    sampling_config,
+    validate_common,
+)
 from specjax.distill.evaluation import Evaluator
+from specjax.distill.results import collect_results, finish_results
+from specjax.distill.sources import DistillData, load_data
 from specjax.distill.steps import (
     STEP_KEYS,
     LossSettings,
@@ -24,89 +25,11 @@ from specjax.distill.steps import (
     step_batch,
 )
 from specjax.distill.teacher import Teacher, check_compatible, load_teacher, precheck
-from specjax.models import TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh, param_shardings
-from specjax.sampling import SamplingConfig
-from specjax.train.loop import LoopResult, Task, run_loop
+from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
 from specjax.train.state import plan_train_state
-
-DISTILL_SECTIONS = ('mode', 'seed', 'draft', 'data', 'train', 'sampling', 'mesh', 'distill')
-COTRAIN_SECTIONS = DISTILL_SECTIONS + ('model', 'init')
-_IDENTITY_FIELDS = (
-    'divergence',
-    'beta',
-    'block_size',
-    'loss_temperature',
-    'scale_by_t2',
-    'kd_weight',
-    'ce_weight',
-    'source',
-    'mixture_lambda',
-    'mixture_base',
-    'prompt_len',
-    'max_new_tokens',
-)
-
-
-@dataclasses.dataclass
-class DistillData:
-    """What distill/cotrain read from the data layer (tests pass synthetic ones)."""
-
-    train: Any  # iterator of host batch dicts (np.int32 [B, T]) with get_state/set_state
-    eval_batches: list[dict]  # fixed held-out batches, same layout
-    tokenizer: dict  # tokenizer identity (must equal the teacher's)
-    corpus: dict  # corpus identity
-    vocab_size: int  # tokenizer vocabulary size
-    domains: tuple[str, ...]  # names of domain ids 0..D-1
-    eos_id: int | None  # generation stops after eos (kept as the last generated token)
-
-
-# results.json keys printed at the end of a run and reported by sweeps (configs/ablations/).
-HEADLINE_METRICS = (
-    'alpha_T0',
-    'alpha_T1',
-    'acceptance_k4_T0',
-    'tau_k4_T0',
-    'acceptance_k4_T1',
-    'tau_k4_T1',
-    'predicted_speedup_k4_T1',
-    'draft_val_loss',
-)
-
-
-def load_data(config) -> DistillData:
-    """The real pipeline (specjax.data) for config.data."""
-    from specjax import data as data_lib
-    from specjax.data.sources import open_dataset
-    from specjax.train.pretrain import open_pipeline
-
-    tok, train, eval_batches = open_pipeline(config, num_eval_batches=config.train.eval_batches)
-    return DistillData(
-        train=train,
-        eval_batches=eval_batches,
-        tokenizer=tok.identity(),
-        corpus=data_lib.corpus_identity(config.data),
-        vocab_size=tok.vocab_size,
-        domains=tuple(open_dataset(config.data).domain_names),
-        eos_id=tok.eos_id,
-    )
-
-
-def sampling_config(config) -> SamplingConfig:
-    return SamplingConfig.from_dict(config.sampling)
-
-
-def loss_identity(config) -> dict:
-    return {k: config.distill[k] for k in _IDENTITY_FIELDS}
-
-
-def check_vocab(cfg: TransformerConfig, data: DistillData, field: str) -> None:
-    if cfg.vocab_size < data.vocab_size:
-        raise ValueError(
-            f'{field}.vocab_size={cfg.vocab_size} is below the tokenizer vocabulary '
-            f'size {data.vocab_size}'
-        )
 
 
 class DistillStepper:
@@ -119,16 +42,12 @@ class DistillStepper:
 
     def __init__(self, step_fn, teacher: Teacher, generators, b_sharding, distill_cfg, seed):
         self.step_fn, self.teacher, self.generators = step_fn, teacher, generators
-        self.b_sharding, self.d, self.seed = b_sharding, distill_cfg, seed
+        self.put, self.d, self.seed = batch_placer(b_sharding, STEP_KEYS), distill_cfg, seed
         self._step = None
 
     def make_batch(self, state, host_batch, kind):
         if kind == 'dataset':
-            batch = sources.dataset_batch(host_batch)
-            return {
-                k: jax.make_array_from_process_local_data(self.b_sharding, batch[k])
-                for k in STEP_KEYS
-            }
+            return self.put(sources.dataset_batch(host_batch))
         params = self.teacher.params if kind == 'teacher' else state.params
         key = sources.generation_key(self.seed, self._step)
         return step_batch(self.generators[kind](params, host_batch, key))
@@ -233,38 +152,6 @@ def build_distill(config, data: DistillData):
     )
 
 
-def collect_results(
-    config, result: LoopResult, evaluator: Evaluator, draft_params, target_params, extra: dict
-) -> dict:
-    """results.json: the last eval (renamed *_loss -> *_val_loss) + the measured speculative run."""
-    out = {
-        'mode': config.mode,
-        'step': result.step,
-        'preempted': result.preempted,
-        'checkpoint_dir': result.checkpoint_dir,
-        'checkpoint_step': result.checkpoint_step,
-    }
-    out.update(extra)
-    for key, value in result.eval.items():
-        key = key.replace('draft_loss', 'draft_val_loss').replace('target_loss', 'target_val_loss')
-        out[key] = value
-    if not result.preempted:
-        out.update(evaluator.speculative(draft_params, target_params))
-    return out
-
-
-def finish_results(workdir, results, config) -> dict:
-    """Writes results.json (process 0; not when preempted) and prints the headline metrics."""
-    if results['preempted']:
-        return results
-    if jax.process_index() == 0:
-        path = workdir_lib.write_results(workdir, config.mode, results, config)
-        keys = [k for k in HEADLINE_METRICS if k in results]
-        print('  '.join(f'{k} {results[k]:.4f}' for k in keys), flush=True)
-        print(f'results: {path}', flush=True)
-    return results
-
-
 def run_distill(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
     """Distills a draft from the frozen target at config.distill.teacher_workdir into `workdir`.
 
@@ -273,9 +160,7 @@ def run_distill(config, workdir: str, *, data: DistillData | None = None, on_ste
     """
     draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
     precheck(config, draft_cfg, data_config=data is None)  # before any tokenizer is built
-    workdir = workdir_lib.resolve(workdir)
-    with workdir_lib.hold(workdir, 'distill'):
-        workdir_lib.check_results_owner(workdir, 'distill')
+    with locked_workdir(workdir, 'distill') as workdir:
         return _run_distill(config, workdir, data, on_step)
 
 
@@ -295,6 +180,12 @@ def _run_distill(config, workdir, data, on_step) -> dict:
             'teacher_step': teacher.step,
             'num_params_draft': parts['draft_cfg'].num_params,
             'num_params_target': teacher.config.num_params,
+            'train_flops': train_flops(
+                [parts['draft_cfg']],
+                [teacher.config],
+                seq_len=config.data.seq_len,
+                tokens=result.step * task.tokens_per_step,
+            ),
         },
     )
     return finish_results(workdir, results, config)
