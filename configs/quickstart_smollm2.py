@@ -28,14 +28,14 @@ _PRESETS = {
     'full': dict(
         n=4096,  # reduced vocabulary
         top_k=32,  # cached teacher log-probs per position
-        train_rows=256,  # packed rows the teacher scores (seq_len tokens each)
+        train_rows=128,  # packed rows the teacher scores (seq_len tokens each)
         eval_rows=16,
         seq_len=128,
         draft=dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=768),
-        steps=240,
-        batch=16,
+        steps=150,
+        batch=8,
         new_tokens=32,
-        ks=(1, 2, 3, 4),
+        ks=(1, 2, 4),
         prompts_per_domain=2,
         serve_batches=(1, 8),
     ),
