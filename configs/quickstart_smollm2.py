@@ -157,14 +157,14 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
     ev.timing_repeats = 2
     ev.calibration_iters = 4
-    ev.calibration_repeats = 3 if size == 'full' else 2
+    ev.calibration_repeats = 2
 
     c.serve = ml_collections.ConfigDict()
     c.serve.batch_sizes = p['serve_batches']
     c.serve.max_new_tokens = p['new_tokens']
     c.serve.temperature = 0.0
     c.serve.k = 0  # spec_distilled's best measured k at T=0
-    c.serve.repeats = 3 if size == 'full' else 2
+    c.serve.repeats = 2
     c.serve.samples = 2
 
     c.report = ml_collections.ConfigDict()
