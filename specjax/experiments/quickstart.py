@@ -140,7 +140,7 @@ def stages_of(config) -> tuple[Stage, ...]:
     if config.get('model', 'embedded') == 'smollm2':
         from specjax.experiments import quickstart_smollm2
 
-        return quickstart_smollm2.stages()
+        return quickstart_smollm2.stages(config)
     return STAGES
 
 

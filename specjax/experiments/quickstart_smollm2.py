@@ -165,11 +165,17 @@ def run_serve(cfg, wd, root):
     serving.run(_with_tokenizer(cfg, root), wd, root)
 
 
-def stages():
-    """The Stage tuple of this preset (specjax.experiments.quickstart.Stage)."""
+def stages(config=None):
+    """The Stage tuple of this preset (specjax.experiments.quickstart.Stage). serve needs
+    spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
+    spec_eval stages."""
     from specjax.experiments.quickstart import Stage, _report
 
     drafts = ('target', 'teacher_cache')
+    fixed_k = config is not None and int(config.serve.k) > 0
+    serve_needs = ('target', 'draft_ce', 'draft_distilled') + (
+        () if fixed_k else ('spec_distilled',)
+    )
     return (
         Stage('target', 'target', 'results.json', (), run_import),
         Stage('teacher_cache', 'teacher_cache', 'cache.json', ('target',), run_teacher_cache),
@@ -193,7 +199,7 @@ def stages():
             'serve',
             'serve',
             'serve.json',
-            ('target', 'draft_ce', 'draft_distilled', 'spec_distilled'),
+            serve_needs,
             run_serve,
         ),
         Stage(
