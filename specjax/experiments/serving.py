@@ -148,8 +148,8 @@ def run(config, workdir: str, root: str) -> dict:
                     same_tokens_as_target=float(same.mean()),
                 )
             )
-    shown = min(int(config.samples), len(prompts))
     b = max(batch_sizes)
+    shown = min(int(config.samples), len(prompts), b)  # rows of the largest batch
     samples = []
     for i in range(shown):
         entry = {
