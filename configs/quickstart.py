@@ -30,7 +30,8 @@ with a checkpoint but no results. A workdir whose stages were run with another c
 before anything runs. Run some stages only with --config.stages=serve,report (their
 prerequisites must be finished).
 
-Presets (`:size=...`):
+Presets (`:size=...`, and `:model=smollm2` or `:model=smollm2,size=tiny` for SmolLM2-135M as
+the target with reduced-vocabulary drafts: configs/quickstart_smollm2.py):
   full   (default) a 1.6M-param target and 0.4M-param drafts (README, Quickstart).
   tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU; README has the
          measured, shared-machine times).
@@ -124,15 +125,24 @@ def _load(name: str, arg: str) -> ml_collections.ConfigDict:
     return module.get_config(arg)
 
 
-def _size(arg) -> str:
-    key, _, value = (
-        (arg or 'size=full').partition('=') if '=' in (arg or '=') else ('size', '', arg)
-    )
-    if key != 'size' or value not in _PRESETS:
-        raise ValueError(
-            f'configs/quickstart.py argument {arg!r}: expected size={"|".join(_PRESETS)}'
-        )
-    return value
+def _parse(arg) -> tuple[str, str]:
+    """'size=tiny' | 'tiny' | 'model=smollm2' | 'model=smollm2,size=tiny' -> (model, size)."""
+    opts = {'model': 'embedded', 'size': 'full'}
+    for item in (arg or '').split(','):
+        if item and '=' not in item:
+            item = f'size={item}'
+        key, _, value = item.partition('=')
+        if item and (key not in opts or value not in _CHOICES[key]):
+            raise ValueError(
+                f'configs/quickstart.py argument {arg!r}: expected comma-separated '
+                f'model={"|".join(_CHOICES["model"])} and size={"|".join(_PRESETS)}'
+            )
+        if item:
+            opts[key] = value
+    return opts['model'], opts['size']
+
+
+_CHOICES = {'model': ('embedded', 'smollm2'), 'size': tuple(_PRESETS)}
 
 
 def _train(t, steps: int, batch: int, lr: float, evals: int) -> None:
@@ -167,7 +177,9 @@ def _distill(size: str, p: dict, ce_only: bool) -> ml_collections.ConfigDict:
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    size = _size(arg)
+    model, size = _parse(arg)
+    if model == 'smollm2':  # SmolLM2-135M as the target: configs/quickstart_smollm2.py
+        return _load('quickstart_smollm2', f'size={size}')
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'  # specjax.main dispatches on this

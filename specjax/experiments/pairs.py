@@ -3,6 +3,9 @@ random init."""
 
 from __future__ import annotations
 
+import json
+import os
+
 from flax import nnx
 
 from specjax.models import Transformer, TransformerConfig
@@ -13,6 +16,7 @@ def check_identities(
     draft_meta: dict,
     tokenizer_identity: dict,
     where: tuple[str, str] = ('target', 'draft'),
+    draft_vocab_size: int | None = None,
 ) -> None:
     """ValueError unless both checkpoints and config.data's tokenizer share one identity."""
     t_id, d_id = target_meta.get('tokenizer'), draft_meta.get('tokenizer')
@@ -27,7 +31,9 @@ def check_identities(
         )
     t_vocab = (target_meta.get('model_config') or {}).get('vocab_size')
     d_vocab = (draft_meta.get('model_config') or {}).get('vocab_size')
-    if t_vocab != d_vocab:
+    if draft_vocab_size is not None and d_vocab == draft_vocab_size:
+        pass  # a reduced-vocabulary draft (its draft_vocab.json maps it onto the target's)
+    elif t_vocab != d_vocab:
         raise ValueError(
             f'vocab_size differs between {where[0]} ({t_vocab}) and {where[1]} ({d_vocab}): a '
             "draft must score the target's vocabulary"
@@ -37,6 +43,18 @@ def check_identities(
             f'config.data builds tokenizer {dict(tokenizer_identity)!r} but the checkpoints were '
             f"trained with {t_id!r}: set config.data to the checkpoints' data settings"
         )
+
+
+DRAFT_VOCAB_FILE = 'draft_vocab.json'  # written by specjax.distill.reduced_train
+
+
+def draft_vocab_ids(workdir: str) -> list[int] | None:
+    """The target ids a reduced-vocabulary draft proposes (<workdir>/draft_vocab.json), or None."""
+    path = os.path.join(os.path.expanduser(workdir or ''), DRAFT_VOCAB_FILE)
+    if not workdir or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [int(i) for i in json.load(f)['ids']]
 
 
 def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
@@ -62,8 +80,12 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
                 metas.append(ckpts.metadata())
             finally:
                 ckpts.close()
+        ids = draft_vocab_ids(config.draft_workdir)
         check_identities(
-            *metas, tok.identity(), where=(config.target_workdir, config.draft_workdir)
+            *metas,
+            tok.identity(),
+            where=(config.target_workdir, config.draft_workdir),
+            draft_vocab_size=None if ids is None else len(ids),
         )
         rules = config.mesh.rules
         target, t_meta = load_model(config.target_workdir, mesh=mesh, rules=rules)
@@ -81,7 +103,10 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
             'target_step': t_meta.get('step'),
             'draft_step': d_meta.get('step'),
         }
+    ids = None if config.random_init else draft_vocab_ids(config.draft_workdir)
     for name, model in (('target', target), ('draft', draft)):
+        if name == 'draft' and ids is not None and model.config.vocab_size == len(ids):
+            continue  # reduced vocabulary: checked against the target by check_draft_vocab
         if model.config.vocab_size != tok.vocab_size:
             raise ValueError(
                 f"{name} vocab_size={model.config.vocab_size} differs from the tokenizer's "

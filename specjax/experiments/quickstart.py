@@ -137,6 +137,15 @@ STAGES = (
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
 
+def stages_of(config) -> tuple[Stage, ...]:
+    """The preset's stages: STAGES, or SmolLM2's (config.model='smollm2')."""
+    if config.get('model', 'embedded') == 'smollm2':
+        from specjax.experiments import quickstart_smollm2
+
+        return quickstart_smollm2.stages(config)
+    return STAGES
+
+
 class StageError(ValueError):
     """A stage cannot run: prerequisite missing or the workdir holds another config's results."""
 
@@ -175,14 +184,16 @@ def _first_difference(saved, current, path='') -> str | None:
 
 def selected(config) -> list[Stage]:
     """The stages config.stages asks for, in pipeline order; ValueError on unknown names."""
-    names = STAGE_NAMES if config.stages == 'all' else [s.strip() for s in config.stages.split(',')]
-    unknown = [n for n in names if n not in STAGE_NAMES]
+    all_stages = stages_of(config)
+    stage_names = tuple(s.name for s in all_stages)
+    names = stage_names if config.stages == 'all' else [s.strip() for s in config.stages.split(',')]
+    unknown = [n for n in names if n not in stage_names]
     if unknown or not names:
         raise ValueError(
             f'config.stages={config.stages!r}: unknown stage(s) {unknown}; '
-            f"use 'all' or a comma-separated subset of {list(STAGE_NAMES)}"
+            f"use 'all' or a comma-separated subset of {list(stage_names)}"
         )
-    return [s for s in STAGES if s.name in names]
+    return [s for s in all_stages if s.name in names]
 
 
 def stage_dir(workdir: str, stage: Stage) -> str:
@@ -196,7 +207,7 @@ def check_workdir(config, workdir: str, stages: list[Stage]) -> dict[str, bool]:
     Returns stage name -> finished. Runs before any stage, so a refused run writes nothing.
     """
     done = {}
-    for stage in STAGES:
+    for stage in stages_of(config):
         wd = stage_dir(workdir, stage)
         done[stage.name] = os.path.exists(os.path.join(wd, stage.results))
         record = os.path.join(wd, STAGE_FILE)
@@ -285,6 +296,10 @@ def run(config, workdir: str) -> dict:
     preempted stage: SIGTERM saves a checkpoint, and a rerun resumes from it)."""
     stages = selected(config)
     check_plotting()
+    if config.get('model', 'embedded') == 'smollm2':
+        from specjax.experiments import quickstart_smollm2
+
+        quickstart_smollm2.check_available(config.target.source)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     done = check_workdir(config, workdir, stages)
     _enable_cache(config.compilation_cache)

@@ -32,7 +32,7 @@ def acceptance_by_position(d: dict, out_dir: str) -> str:
     fig = new_figure(figsize=(10, 4))
     axes = fig.subplots(1, 2, sharey=True)
     for ax, label in zip(axes, _MAIN):
-        for stage, (name, _) in qr.PAIRS.items():
+        for stage, (name, _) in qr.pairs(d).items():
             runs = qr.spec_runs(d[stage], label)
             if not runs:
                 continue
@@ -51,7 +51,7 @@ def speedup_vs_k(d: dict, out_dir: str) -> str:
     fig = new_figure(figsize=(10, 4))
     axes = fig.subplots(1, 2, sharey=True)
     for ax, label in zip(axes, _MAIN):
-        for i, (stage, (name, _)) in enumerate(qr.PAIRS.items()):
+        for i, (stage, (name, _)) in enumerate(qr.pairs(d).items()):
             spec = d[stage]
             runs = qr.spec_runs(spec, label)
             if not runs:
@@ -97,7 +97,7 @@ def alpha_over_steps(d: dict, out_dir: str) -> str:
     fig = new_figure(figsize=(7, 4))
     ax = fig.subplots()
     for i, stage in enumerate(('draft_ce', 'draft_distilled', 'cotrain')):
-        rows = d['curves'][stage]
+        rows = d['curves'].get(stage)
         if not rows:
             continue
         steps = [r['step'] for r in rows]
@@ -115,7 +115,7 @@ def acceptance_by_temperature_domain(d: dict, out_dir: str) -> str:
     fig = new_figure(figsize=(11, 4))
     axes = fig.subplots(1, 2, sharey=True)
     k = qr.ref_k(d['spec_distilled'])
-    pairs = list(qr.PAIRS.items())
+    pairs = list(qr.pairs(d).items())
     width = 0.8 / len(pairs)
     labels = qr.labels(d['spec_distilled'])
     for i, (stage, (name, _)) in enumerate(pairs):

@@ -28,6 +28,10 @@ SERVE_NAMES = {
     'spec_distilled': 'target + distilled draft (both)',
 }
 MIB = 2.0**20
+COTRAIN_SKIPPED = (
+    'Co-training: not run in this preset (it updates the 135M target, which this CPU cannot '
+    "train within the quickstart's budget)."
+)
 
 
 def _json(path: str):
@@ -36,15 +40,30 @@ def _json(path: str):
 
 
 def load(root: str) -> dict:
-    """Every JSON the report reads, by stage name."""
+    """Every JSON the report reads, by stage name (cotrain / spec_cotrain / teacher_cache only
+    where the preset has them: SmolLM2's has a teacher cache and no co-training)."""
     d = {'run': _json(os.path.join(root, 'quickstart.json'))}
+    optional = {'cotrain', 'spec_cotrain'}
     for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain'):
-        d[stage] = _json(os.path.join(root, stage, 'results.json'))
+        path = os.path.join(root, stage, 'results.json')
+        if stage not in optional or os.path.exists(path):
+            d[stage] = _json(path)
     for stage in PAIRS:
-        d[stage] = _json(os.path.join(root, stage, 'spec_eval.json'))
+        path = os.path.join(root, stage, 'spec_eval.json')
+        if stage not in optional or os.path.exists(path):
+            d[stage] = _json(path)
+    cache = os.path.join(root, 'teacher_cache', 'cache.json')
+    if os.path.exists(cache):  # SmolLM2: the imported target's loss is measured on the cache
+        d['teacher_cache'] = _json(cache)
+        d['target']['eval'] = dict(d['target']['eval'], loss=d['teacher_cache']['target_val_loss'])
     d['serve'] = _json(os.path.join(root, 'serve', 'serve.json'))
     d['curves'] = {s: alpha_curve(root, s) for s in ('draft_ce', 'draft_distilled', 'cotrain')}
     return d
+
+
+def pairs(d: dict) -> dict:
+    """The PAIRS this run has (no spec_cotrain in the SmolLM2 preset)."""
+    return {stage: v for stage, v in PAIRS.items() if stage in d}
 
 
 def alpha_curve(root: str, stage: str) -> list[dict]:
@@ -143,19 +162,22 @@ def section_setup(d: dict) -> list[str]:
             d['draft_distilled']['draft_val_loss'],
             d['draft_distilled']['alpha_T1'],
         ],
-        [
-            'co-trained target',
-            d['cotrain']['num_params_target'],
-            d['cotrain']['target_val_loss'],
-            '-',
-        ],
-        [
-            'co-trained draft',
-            d['cotrain']['num_params_draft'],
-            d['cotrain']['draft_val_loss'],
-            d['cotrain']['alpha_T1'],
-        ],
     ]
+    if 'cotrain' in d:
+        rows += [
+            [
+                'co-trained target',
+                d['cotrain']['num_params_target'],
+                d['cotrain']['target_val_loss'],
+                '-',
+            ],
+            [
+                'co-trained draft',
+                d['cotrain']['num_params_draft'],
+                d['cotrain']['draft_val_loss'],
+                d['cotrain']['alpha_T1'],
+            ],
+        ]
     secs = d['run']['stage_seconds']
     cpu = d['run'].get('stage_cpu_seconds', {})
     load = ', '.join(fmt(x) for x in d['run'].get('load_average', ()))
@@ -198,7 +220,7 @@ def section_speculative(d: dict) -> list[str]:
         f'{cal["batch_size"]}). Measured speedups below include both costs.',
         '',
     ]
-    for stage, (name, _) in PAIRS.items():
+    for stage, (name, _) in pairs(d).items():
         spec = d[stage]
         cal = spec['calibration']
         out += [f'### {name} (`{stage}`)', '']
@@ -258,7 +280,7 @@ def section_buckets(d: dict) -> list[str]:
     out = []
     k = ref_k(d['spec_distilled'])
     rows = []
-    for stage, (name, _) in PAIRS.items():
+    for stage, (name, _) in pairs(d).items():
         spec = d[stage]
         for label in labels(spec):
             r = run_at(spec, label, max(x['k'] for x in spec_runs(spec, label)))
@@ -276,7 +298,7 @@ def section_buckets(d: dict) -> list[str]:
         '',
     ]
     rows = []
-    for stage, (name, _) in PAIRS.items():
+    for stage, (name, _) in pairs(d).items():
         for label in labels(d[stage]):
             r = run_at(d[stage], label, k)
             rows.append([name, label, r['acceptance_rate'], r['alpha'], r['block_efficiency']])
@@ -287,7 +309,7 @@ def section_buckets(d: dict) -> list[str]:
         ('gen_len', 'generated length (tokens)'),
     ):
         rows = []
-        for stage, (name, _) in PAIRS.items():
+        for stage, (name, _) in pairs(d).items():
             for b in d[stage]['buckets'][bucket]:
                 if b['k'] == k:
                     rows.append(
@@ -320,7 +342,7 @@ def section_accelerator(d: dict) -> list[str]:
         '',
     ]
     rows = []
-    for stage, (name, _) in PAIRS.items():
+    for stage, (name, _) in pairs(d).items():
         spec = d[stage]
         for label in labels(spec):
             m = accelerator_model(spec, label, ks)
@@ -521,20 +543,21 @@ def section_training(d: dict) -> list[str]:
         ('draft_distilled', 'distilled draft'),
         ('cotrain', 'co-trained draft'),
     ):
-        for row in d['curves'][stage]:
+        for row in d['curves'].get(stage) or []:
             rows.append([name, row['step'], row['alpha_T0'], row['alpha_T1']])
     sep = secs.get('target', 0.0) + secs.get('draft_distilled', 0.0)
     k = ref_k(d['spec_distilled'])
     label = 'T=1,top_k=0,top_p=1'
     k_ce, k_di, k_co = (
-        run_at(d[s], label, k)['block_efficiency'] if label in labels(d[s]) else None for s in PAIRS
+        run_at(d[s], label, k)['block_efficiency'] if s in d and label in labels(d[s]) else None
+        for s in PAIRS
     )
     return [
         '## Alpha over training steps',
         '',
         markdown_table(['draft', 'step', 'alpha_T0', 'alpha_T1'], rows),
         '',
-        matched_compute(d, sep, secs)
+        (matched_compute(d, sep, secs) if 'cotrain' in d else COTRAIN_SKIPPED)
         + f' Measured tau at k = {k}, T = 1 (spec_eval): cross-entropy {fmt(k_ce)}, distilled '
         f'{fmt(k_di)}, co-trained {fmt(k_co)}.',
         '',
@@ -593,6 +616,93 @@ def section_targets(d: dict) -> list[str]:
     ]
 
 
+def needed_alpha_rows(spec: dict, label: str = 'T=0') -> list[dict]:
+    """Per k: measured alpha and speedup, round cost k c + v(k) from the measured calibration,
+    and the alpha at which the predicted speedup reaches 1 (None: not even at alpha = 1)."""
+    if label not in labels(spec):
+        return []
+    cal, out = spec['calibration'], []
+    for r in spec_runs(spec, label):
+        v_k = cal['v'][str(r['k'])]
+        out.append(
+            {
+                'k': r['k'],
+                'alpha': r['alpha'],
+                'measured_speedup': r['measured_speedup'],
+                'cost': r['k'] * cal['c'] + v_k,
+                'needed_alpha': st.required_alpha(r['k'], cal['c'], v_k),
+            }
+        )
+    return out
+
+
+def section_break_even_alpha(d: dict) -> list[str]:
+    """A draft and k with measured speedup > 1 at T = 0, or the alpha each k would need."""
+    rows, best = [], None
+    for stage, (name, _) in pairs(d).items():
+        for r in needed_alpha_rows(d[stage]):
+            need = r['needed_alpha']
+            rows.append(
+                [name, r['k'], r['alpha'], r['measured_speedup'], r['cost'],
+                 need if need is not None else 'unreachable (k c + v(k) > k + 1)']
+            )  # fmt: skip
+            if best is None or r['measured_speedup'] > best[2]:
+                best = (name, r['k'], r['measured_speedup'])
+    if not rows:
+        return []
+    if best[2] > 1.0:
+        verdict = (
+            f'**Speedup > 1 at T = 0 on this CPU**: {best[0]}, k = {best[1]}, measured '
+            f'{fmt(best[2])}x.'
+        )
+    else:
+        verdict = (
+            f'**No draft and k reaches speedup 1 at T = 0 on this CPU** (best: {best[0]}, k = '
+            f'{best[1]}, {fmt(best[2])}x). The last column is the alpha each k needs, from the '
+            'measured c and v(k): E[tau](alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) = k c + v(k).'
+        )
+    return [
+        '## Speedup at T = 0, or the alpha needed',
+        '',
+        verdict,
+        '',
+        markdown_table(
+            [
+                'draft',
+                'k',
+                'measured alpha',
+                'measured speedup',
+                'k c + v(k)',
+                'alpha needed for speedup 1',
+            ],
+            rows,
+        ),  # fmt: skip
+        '',
+    ]
+
+
+def section_reduced_vocab(d: dict) -> list[str]:
+    """The SmolLM2 preset's reduced vocabulary and teacher cache (absent elsewhere)."""
+    if 'teacher_cache' not in d:
+        return []
+    c = d['teacher_cache']
+    return [
+        '## Reduced draft vocabulary and teacher cache',
+        '',
+        f'Drafts cover the N = {c["reduced_vocab_size"]} most frequent target tokens of the '
+        f'corpus (train split): {fmt(c["coverage_train"])} of its tokens. The teacher ran once, '
+        f'teacher-forced on {c["train_rows"]} packed rows of {c["seq_len"]} tokens '
+        f'({fmt(c["teacher_train_seconds"])} s), keeping its top {c["top_k"]} of the N tokens '
+        f'per position ({fmt(c["topk_mass_mean"])} of its probability mass on average); KD '
+        'renormalises over those K, CE skips targets outside the set, and alpha is measured '
+        "against the target's full distribution (the draft has q = 0 off the set). Validation "
+        'losses are over positions whose next token is in the set.',
+        '',
+        COTRAIN_SKIPPED,
+        '',
+    ]
+
+
 def render(d: dict, plots: list[str]) -> str:
     lines = [
         '# specjax quickstart: speculate, distill, or both?',
@@ -602,6 +712,8 @@ def render(d: dict, plots: list[str]) -> str:
         '',
     ]
     lines += section_targets(d)
+    lines += section_break_even_alpha(d)
+    lines += section_reduced_vocab(d)
     lines += section_side_by_side(d)
     lines += section_setup(d)
     lines += section_speculative(d)

@@ -25,6 +25,7 @@ import numpy as np
 from specjax.checkpoint import load_model
 from specjax.data import build_tokenizer
 from specjax.experiments import measure, report
+from specjax.experiments.pairs import draft_vocab_ids
 from specjax.experiments.prompts import make_prompts
 from specjax.models import split
 from specjax.parallel import make_mesh
@@ -58,6 +59,23 @@ def run(config, workdir: str, root: str) -> dict:
         for name in ('target', 'draft_ce', 'draft_distilled')
     }
     split_models = {name: split(m) for name, m in models.items()}
+    # Reduced-vocabulary drafts (draft_vocab.json): ids maps draft index -> target id.
+    vocab = {name: draft_vocab_ids(os.path.join(root, name)) for name in models}
+
+    def as_target(method, tokens):
+        """A draft-alone run's tokens (draft indices when reduced) as target ids."""
+        ids = vocab.get(method)
+        return np.asarray(tokens) if ids is None else np.asarray(ids)[np.asarray(tokens)]
+
+    def inputs_for(method, tokens):
+        """Prompt ids for `method`'s first model (a reduced draft alone reads draft indices)."""
+        ids = vocab.get(method)
+        if ids is None:
+            return tokens
+        table = np.zeros((models['target'].config.vocab_size,), np.int32)
+        table[ids] = np.arange(len(ids), dtype=np.int32)
+        return table[tokens]
+
     ev = config.eval
     batch_sizes = tuple(int(b) for b in config.batch_sizes)
     prompts = make_prompts(
@@ -82,6 +100,7 @@ def run(config, workdir: str, root: str) -> dict:
                 split_models[draft][0],
                 num_draft_tokens=k,
                 max_new_tokens=max_new,
+                draft_vocab_ids=None if vocab[draft] is None else tuple(vocab[draft]),
                 **common,
             )
             return fn, [split_models['target'][1], split_models[draft][1]]
@@ -95,10 +114,11 @@ def run(config, workdir: str, root: str) -> dict:
         for method in METHODS + (('draft_ce',) if b == max(batch_sizes) else ()):
             for max_new in (n, 1) if method in METHODS else (n,):
                 fn, params = sampler(method, max_new)
-                c = measure.compile_sampler(fn, params, tokens, lengths, rng)
+                toks = inputs_for(method, tokens)
+                c = measure.compile_sampler(fn, params, toks, lengths, rng)
                 key = (method, b, max_new)
                 compiled[key] = c
-                calls[key] = lambda c=c, params=params, t=tokens, ln=lengths: c(*params, t, ln, rng)
+                calls[key] = lambda c=c, params=params, t=toks, ln=lengths: c(*params, t, ln, rng)
                 if max_new == n:
                     outputs[method, b] = jax.device_get(jax.block_until_ready(calls[key]()))
                 if method not in METHODS:
@@ -112,7 +132,7 @@ def run(config, workdir: str, root: str) -> dict:
         for method in METHODS:
             t_n, t_1 = times[method, b, n], times[method, b, 1]
             out = outputs[method, b]
-            same = np.asarray(out.tokens) == np.asarray(outputs['target', b].tokens)
+            same = as_target(method, out.tokens) == np.asarray(outputs['target', b].tokens)
             rows.append(
                 dict(
                     method=method,
@@ -128,8 +148,8 @@ def run(config, workdir: str, root: str) -> dict:
                     same_tokens_as_target=float(same.mean()),
                 )
             )
-    shown = min(int(config.samples), len(prompts))
     b = max(batch_sizes)
+    shown = min(int(config.samples), len(prompts), b)  # rows of the largest batch
     samples = []
     for i in range(shown):
         entry = {
@@ -138,7 +158,8 @@ def run(config, workdir: str, root: str) -> dict:
         }
         for method in SAMPLED:
             out = outputs[method, b]
-            entry[method] = tok.decode(np.asarray(out.tokens[i, : out.lengths[i]]).tolist())
+            row = as_target(method, out.tokens)[i, : out.lengths[i]]
+            entry[method] = tok.decode(row.tolist())
         samples.append(entry)
     result = {
         'k': k,

