@@ -29,17 +29,20 @@ from specjax.distill.modes import (
 from specjax.distill.steps import CotrainState, LossSettings, jit_cotrain_step
 from specjax.models import Transformer, TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh
+from specjax.parallel.mesh import mesh_rules
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.state import abstract_model, state_shardings
 
 
-def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules):
-    """(target graphdef, draft graphdef, shardings, abstract, init) of a CotrainState."""
+def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules, draft_rules=None):
+    """(target graphdef, draft graphdef, shardings, abstract, init) of a CotrainState.
+
+    The draft's params and optimizer state follow `draft_rules` (None = `rules`)."""
     tgd, t_abs = abstract_model(target_cfg)
     dgd, d_abs = abstract_model(draft_cfg)
     ts = state_shardings(tx, t_abs, mesh, rules)
-    ds = state_shardings(tx, d_abs, mesh, rules)
+    ds = state_shardings(tx, d_abs, mesh, rules if draft_rules is None else draft_rules)
     shardings = CotrainState(
         step=ts.step,
         params=ts.params,
@@ -89,10 +92,10 @@ def build_cotrain(config, data: DistillData):
         )
     sampling = sampling_config(config)
     mesh = make_mesh(config.mesh)
-    rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in config.mesh.rules)
+    rules, draft_rules = mesh_rules(config.mesh)
     tx = make_optimizer(config.train)
     tgd, dgd, shardings, abstract, init = plan_cotrain_state(
-        target_cfg, draft_cfg, tx, config.seed, mesh, rules
+        target_cfg, draft_cfg, tx, config.seed, mesh, rules, draft_rules
     )
     b_sharding = batch_sharding(mesh, rules)
     step_fn = jit_cotrain_step(
@@ -115,6 +118,7 @@ def build_cotrain(config, data: DistillData):
         eos_id=data.eos_id,
         mesh=mesh,
         rules=rules,
+        draft_rules=draft_rules,
         batch_sharding=b_sharding,
         seed=config.seed,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from flax import nnx
 
 from specjax.models import Transformer, TransformerConfig
+from specjax.parallel.mesh import mesh_rules
 
 
 def check_identities(
@@ -65,12 +66,12 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
         check_identities(
             *metas, tok.identity(), where=(config.target_workdir, config.draft_workdir)
         )
-        rules = config.mesh.rules
+        rules, draft_rules = mesh_rules(config.mesh)
         target, t_meta = load_model(config.target_workdir, mesh=mesh, rules=rules)
         draft, d_meta = load_model(
             config.draft_workdir,
             mesh=mesh,
-            rules=rules,
+            rules=draft_rules,
             params_key=config.draft_params_key,
             config_key=config.draft_config_key,
         )
