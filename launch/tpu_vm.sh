@@ -34,5 +34,5 @@ gcloud compute tpus tpu-vm scp --worker=all --zone="$zone" \
 # One-time set-up on every worker (the TPU build of JAX), then the run loop in the background.
 gcloud compute tpus tpu-vm ssh "$tpu" --worker=all --zone="$zone" --command="
   cd $q_repo && tar xzf specjax.tgz && python3 -m venv .venv && . .venv/bin/activate &&
-  pip install -q -U 'jax[tpu]' -e . && (nohup bash run_specjax.sh > run.log 2>&1 &)"
+  pip install -q -U 'jax[tpu]' gcsfs -e . && (nohup bash run_specjax.sh > run.log 2>&1 &)"
 echo "started on all workers of $tpu; logs in ~/$repo/run.log on each worker"
