@@ -173,7 +173,7 @@ def validate_common(config, mode: str, sections) -> TransformerConfig:
     validate_train_config(config.train)
     validate_distill_section(config.distill, mode)
     SamplingConfig.from_dict(config.sampling)  # ValueError naming the SamplingConfig field
-    check_keys(config.mesh, ('axes', 'shape', 'rules'), 'config.mesh')
+    check_keys(config.mesh, ('axes', 'shape', 'rules', 'draft_rules'), 'config.mesh')
     ruled = {name for name, _ in config.mesh.rules}
     missing_axes = [a for a in LOGICAL_AXES if a not in ruled]
     if missing_axes:

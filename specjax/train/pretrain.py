@@ -51,7 +51,7 @@ def validate_config(config) -> TransformerConfig:
         raise ValueError(
             f'config.data.seq_len={seq_len} is above config.model.max_len={model_cfg.max_len}'
         )
-    check_keys(config.mesh, ('axes', 'shape', 'rules'), 'config.mesh')
+    check_keys(config.mesh, ('axes', 'shape', 'rules', 'draft_rules'), 'config.mesh')
     ruled = {name for name, _ in config.mesh.rules}
     missing = [a for a in LOGICAL_AXES if a not in ruled]
     if missing:
