@@ -114,12 +114,94 @@ _SCRIPT = textwrap.dedent(
             assert w.addressable_shards[0].data.shape[axis] == 64 // tp, where
         assert len(emb.sharding.device_set) == 8, where
 
+    # Samplers: target FSDP + tensor parallel, a 2-kv-head draft replicated by draft_rules.
+    from specjax.models import apply
+    from specjax.sampling import (SamplingConfig, make_autoregressive_fn, make_speculative_fn,
+                                  make_tree_speculative_fn)
+    s_target = TransformerConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=4, n_kv_heads=4,
+                                 d_ff=64, max_len=32)
+    s_draft = TransformerConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                                d_ff=64, max_len=32)
+    t_gd, t_params = split(Transformer(s_target, rngs=nnx.Rngs(3)))
+    d_gd, d_params = split(Transformer(s_draft, rngs=nnx.Rngs(4)))
+    t_params = jax.tree.map(lambda x: x * 8 if x.ndim == 2 else x, t_params)  # sharp logits,
+    d_params['embed'] = split(Transformer(s_target, rngs=nnx.Rngs(3)))[1]['embed']  # ~40% agree
+    SB, SP, NEW, K = 8, 5, 8, 3
+    s_prompts = rng.integers(1, V, (SB, SP)).astype(np.int32)
+    s_lengths = np.array([5, 1, 3, 2, 5, 4, 1, 3], np.int32)
+    GREEDY, T1 = SamplingConfig(0.0), SamplingConfig(1.0)
+    TREE = ((0,), (1,), (0, 0), (0, 1))
+
+    def sample(shape, devices, aot=False, tree=False):
+        mc = default_mesh_config()
+        mc.shape = shape
+        mesh = make_mesh(mc, devices)
+        kw = dict(max_new_tokens=NEW, mesh=mesh, rules=mc.rules)
+        dr = dict(draft_rules='data_parallel')
+        ar = make_autoregressive_fn(t_gd, sampling=GREEDY, **kw)
+        fns = dict(
+            ar=(ar, [t_params]),
+            greedy=(make_speculative_fn(t_gd, d_gd, num_draft_tokens=K, sampling=GREEDY, **kw,
+                                        **dr), [t_params, d_params]),
+            t1=(make_speculative_fn(t_gd, d_gd, num_draft_tokens=K, sampling=T1, **kw, **dr),
+                [t_params, d_params]),
+        )
+        if tree:
+            fns['tree_t1'] = (make_tree_speculative_fn(t_gd, d_gd, tree=TREE, sampling=T1, **kw,
+                                                       **dr), [t_params, d_params])
+        out = {}
+        for name, (fn, params) in fns.items():
+            args = (*params, s_prompts, s_lengths, jax.random.key(5))
+            if aot and name == 'greedy':  # the compiled program's cache layout, per device
+                placed = fn.place(args)
+                compiled = fn.lower(*args).compile()
+                res = compiled(*placed)
+                out['hlo'] = compiled.as_text()
+                out['placed'] = placed
+            else:
+                res = fn(*args)
+            out[name] = res
+        return out, mesh, fns
+
+    def top2_margin(prefix):
+        logits = apply(t_gd, t_params, jnp.asarray([prefix], jnp.int32))
+        top2 = np.sort(np.asarray(logits)[0, -1])[-2:]
+        return top2[1] - top2[0]
+
+    def same_greedy(a, b, where):
+        a, b = np.asarray(a.tokens), np.asarray(b.tokens)
+        for row in range(SB):
+            diff = np.flatnonzero(a[row] != b[row])
+            if len(diff):  # only a near tie of the target may flip an argmax
+                prefix = [*s_prompts[row, :s_lengths[row]], *b[row, :diff[0]]]
+                assert top2_margin(prefix) < 1e-4, (where, row, a[row], b[row])
+
+    def check_sampler_layout(shape, out, mesh):
+        dp, fsdp, tp = shape
+        tp_params, dp_params = out['placed'][0], out['placed'][1]
+        assert tp_params['embed'][...].sharding.spec == P('tensor', 'fsdp'), shape
+        for leaf in jax.tree.leaves(dp_params):  # the draft: replicated by draft_rules
+            assert leaf.sharding.is_fully_replicated, (shape, leaf.sharding)
+        rows_sharding = jax.sharding.NamedSharding(mesh, P(('data', 'fsdp')))
+        tokens = out['greedy'].tokens
+        assert tokens.sharding.is_equivalent_to(rows_sharding, 2), (shape, tokens.sharding)
+        assert out['greedy'].stats['accepted'].sharding.is_fully_replicated, shape
+        hlo, cap = out['hlo'], SP + NEW + K + 1
+        rows = SB // (dp * fsdp)
+        assert f'f32[{rows},{cap},{4 // tp},8]' in hlo, (shape, 'target cache')  # kv heads / tp
+        assert f'f32[{rows},{cap},2,16]' in hlo, (shape, 'draft cache')  # draft: batch only
+        assert f'f32[{SB},{cap},' not in hlo, (shape, 'an unsharded cache')
+
     t0 = time.perf_counter()
     ref = run((1, 1, 1), jax.devices()[:1])
+    s_ref, _, _ = sample((1, 1, 1), jax.devices()[:1], tree=True)
+    acc = [int(s_ref['greedy'].stats[k]) for k in ('accepted', 'examined')]
+    assert 0 < acc[0] < acc[1], acc
+    same_greedy(s_ref['greedy'], s_ref['ar'], 'speculative vs autoregressive, 1 device')
     for shape in ((8, 1, 1), (2, 2, 2), (1, 2, 4)):
         got = run(shape, jax.devices())
         for name in ('train', 'distill', 'cotrain'):
-            (s_ref, m_ref), (s_got, m_got) = ref[name], got[name]
+            (s_ref_, m_ref), (s_got, m_got) = ref[name], got[name]
             check_layout(shape, s_got, (name, shape))
             if name == 'cotrain':
                 check_layout(shape, type('D', (), dict(params=s_got.draft_params,
@@ -130,14 +212,42 @@ _SCRIPT = textwrap.dedent(
                 for k in a:
                     np.testing.assert_allclose(np.asarray(b[k]), np.asarray(a[k]), rtol=2e-5,
                                                atol=2e-6, err_msg=f'{name} {shape} metric {k}')
-            for (p, a), (_, b) in zip(leaves(s_ref), leaves(s_got), strict=True):
+            for (p, a), (_, b) in zip(leaves(s_ref_), leaves(s_got), strict=True):
                 # atol: 1% of one step's lr (Adam normalises, so float noise in a near-zero
                 # gradient moves a weight by up to ~lr; a wrong layout moves many by ~lr).
                 np.testing.assert_allclose(
                     np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5,
                     err_msg=f'{name} {shape} {jax.tree_util.keystr(p)}')
         print('MESH_OK', shape, round(time.perf_counter() - t0, 1), flush=True)
-    print('ALL_MESH_OK')
+        s_got, mesh, fns = sample(shape, jax.devices(), aot=True, tree=shape == (2, 2, 2))
+        check_sampler_layout(shape, s_got, mesh)
+        for name in ('ar', 'greedy'):
+            same_greedy(s_got[name], s_ref[name], (name, shape))
+            np.testing.assert_array_equal(s_got[name].lengths, s_ref[name].lengths)
+        for name in [n for n in ('t1', 'tree_t1') if n in s_got]:  # same key: same tokens
+            np.testing.assert_array_equal(s_got[name].tokens, s_ref[name].tokens, (name, shape))
+            for k in ('accepted', 'examined', 'batch_rounds'):
+                assert int(s_got[name].stats[k]) == int(s_ref[name].stats[k]), (name, shape, k)
+        print('SAMPLE_OK', shape, round(time.perf_counter() - t0, 1), flush=True)
+
+    # Bad layouts fail on the host, before compiling, naming the field and value.
+    mc = default_mesh_config()
+    mc.shape = (1, 2, 4)
+    mesh = make_mesh(mc)
+    args = (t_params, d_params, s_prompts, s_lengths, 0)
+    fn = make_speculative_fn(t_gd, d_gd, num_draft_tokens=K, max_new_tokens=NEW,
+                             sampling=GREEDY, mesh=mesh, rules=mc.rules)
+    for bad, match in (
+        (args, 'draft TransformerConfig.n_heads=2 does not divide over mesh axes tensor'),
+        ((t_params, d_params, s_prompts[:3], s_lengths[:3], 0), 'global batch size B=3'),
+    ):
+        try:
+            fn.place(bad)
+        except ValueError as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(match)
+    print('ALL_MESH_OK', round(time.perf_counter() - t0, 1))
     """
 )
 

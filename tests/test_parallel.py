@@ -7,12 +7,20 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from flax import nnx
 
 from specjax.models import Transformer, TransformerConfig, split
-from specjax.parallel import default_mesh_config, logical_to_spec, make_mesh, param_shardings
-from specjax.parallel.mesh import resolve_shape
+from specjax.parallel import (
+    DEFAULT_RULES,
+    default_mesh_config,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+)
+from specjax.parallel.mesh import mesh_rules, resolve_shape
+from specjax.sampling import SamplingConfig, speculative_sample
 
 _SCRIPT = textwrap.dedent(
     """
@@ -86,3 +94,31 @@ def test_missing_rule_and_bad_mesh_shape_name_the_field():
     assert logical_to_spec(('heads', 'mlp'), (('heads', 'tensor'), ('mlp', 'tensor'))) == (
         logical_to_spec(('heads', None), (('heads', 'tensor'),))
     )
+
+
+def test_draft_rules_presets_resolve_and_bad_names_name_the_field():
+    mc = default_mesh_config()
+    rules, draft = mesh_rules(mc)
+    assert draft == rules == DEFAULT_RULES  # 'same'
+    mc.draft_rules = 'data_parallel'
+    _, draft = mesh_rules(mc)
+    assert dict(draft) == {n: (('data', 'fsdp') if n == 'batch' else None) for n, _ in rules}
+    mc.draft_rules = 'sharded_somehow'
+    with pytest.raises(ValueError, match="config.mesh.draft_rules='sharded_somehow'"):
+        mesh_rules(mc)
+    pairs = (('batch', 'data'), *((n, None) for n, _ in DEFAULT_RULES if n != 'batch'))
+    assert mesh_rules(default_mesh_config(draft_rules=pairs))[1] == pairs
+
+
+def test_sampler_rule_errors_come_before_compiling():
+    cfg = TransformerConfig(
+        vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_len=16
+    )
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    prompts, lengths = np.ones((2, 3), np.int32), np.array([3, 1], np.int32)
+    no_kv = tuple(r for r in DEFAULT_RULES if r[0] != 'kv_heads')
+    kw = dict(num_draft_tokens=2, max_new_tokens=4, sampling=SamplingConfig(0.0), rng=0)
+    with pytest.raises(ValueError, match="logical axis 'kv_heads' has no rule"):
+        speculative_sample(model, model, prompts, lengths, **kw, draft_rules=no_kv)
+    with pytest.raises(ValueError, match="draft_rules='tp'"):
+        speculative_sample(model, model, prompts, lengths, **kw, draft_rules='tp')

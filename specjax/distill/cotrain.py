@@ -31,6 +31,7 @@ from specjax.distill.sources import DistillData, load_data
 from specjax.distill.steps import CotrainState, LossSettings, jit_cotrain_step
 from specjax.models import Transformer, TransformerConfig
 from specjax.parallel import batch_sharding, make_mesh
+from specjax.parallel.mesh import mesh_rules
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
@@ -43,12 +44,14 @@ _SCHEDULE_FIELDS = (
 )  # fmt: skip
 
 
-def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules):
-    """(target graphdef, draft graphdef, shardings, abstract, init) of a CotrainState."""
+def plan_cotrain_state(target_cfg, draft_cfg, tx, seed: int, mesh, rules, draft_rules=None):
+    """(target graphdef, draft graphdef, shardings, abstract, init) of a CotrainState.
+
+    The draft's params and optimizer state follow `draft_rules` (None = `rules`)."""
     tgd, t_abs = abstract_model(target_cfg)
     dgd, d_abs = abstract_model(draft_cfg)
     ts = state_shardings(tx, t_abs, mesh, rules)
-    ds = state_shardings(tx, d_abs, mesh, rules)
+    ds = state_shardings(tx, d_abs, mesh, rules if draft_rules is None else draft_rules)
     shardings = CotrainState(
         step=ts.step,
         params=ts.params,
@@ -153,10 +156,10 @@ def build_cotrain(config, data: DistillData):
         )
     sampling = sampling_config(config)
     mesh = make_mesh(config.mesh)
-    rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in config.mesh.rules)
+    rules, draft_rules = mesh_rules(config.mesh)
     tx = make_optimizer(config.train)
     tgd, dgd, shardings, abstract, init = plan_cotrain_state(
-        target_cfg, draft_cfg, tx, config.seed, mesh, rules
+        target_cfg, draft_cfg, tx, config.seed, mesh, rules, draft_rules
     )
     b_sharding = batch_sharding(mesh, rules)
     step_fn = jit_cotrain_step(
@@ -179,6 +182,7 @@ def build_cotrain(config, data: DistillData):
         eos_id=data.eos_id,
         mesh=mesh,
         rules=rules,
+        draft_rules=draft_rules,
         batch_sharding=b_sharding,
         seed=config.seed,
     )

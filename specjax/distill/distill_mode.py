@@ -26,6 +26,7 @@ from specjax.distill.steps import (
 )
 from specjax.distill.teacher import Teacher, check_compatible, load_teacher, precheck
 from specjax.parallel import batch_sharding, make_mesh, param_shardings
+from specjax.parallel.mesh import mesh_rules
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
@@ -78,7 +79,7 @@ def build_distill(config, data: DistillData):
     check_vocab(draft_cfg, data, 'config.draft')
     sampling = sampling_config(config)
     mesh = make_mesh(config.mesh)
-    rules = tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in config.mesh.rules)
+    rules, draft_rules = mesh_rules(config.mesh)  # the teacher's, the draft's
     d = config.distill
     teacher = load_teacher(d.teacher_workdir, int(d.teacher_step), mesh=mesh, rules=rules)
     check_compatible(teacher, draft_cfg, data.tokenizer)
@@ -89,7 +90,7 @@ def build_distill(config, data: DistillData):
             '(config.data.seq_len / distill.prompt_len + max_new_tokens + k + 1)'
         )
     tx = make_optimizer(config.train)
-    plan = plan_train_state(draft_cfg, tx, config.seed, mesh, rules)
+    plan = plan_train_state(draft_cfg, tx, config.seed, mesh, draft_rules)
     b_sharding = batch_sharding(mesh, rules)
     t_shardings = param_shardings(mesh, teacher.params, rules)
     step_fn = jit_distill_step(
@@ -104,9 +105,12 @@ def build_distill(config, data: DistillData):
         mesh,
     )
     generators = {}
-    for kind, gd in (('teacher', teacher.graphdef), ('on_policy', plan.graphdef)):
+    for kind, gd, r in (
+        ('teacher', teacher.graphdef, rules),
+        ('on_policy', plan.graphdef, draft_rules),
+    ):
         generators[kind] = sources.Generator(
-            gd, d.prompt_len, d.max_new_tokens, sampling, data.eos_id, mesh, rules, b_sharding
+            gd, d.prompt_len, d.max_new_tokens, sampling, data.eos_id, mesh, r, b_sharding
         )
     evaluator = Evaluator(
         plan.graphdef,
@@ -118,6 +122,7 @@ def build_distill(config, data: DistillData):
         eos_id=data.eos_id,
         mesh=mesh,
         rules=rules,
+        draft_rules=draft_rules,
         batch_sharding=b_sharding,
         seed=config.seed,
     )
@@ -149,6 +154,7 @@ def build_distill(config, data: DistillData):
         step_fn=step_fn,
         mesh=mesh,
         rules=rules,
+        draft_rules=draft_rules,
     )
 
 

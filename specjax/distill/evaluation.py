@@ -136,6 +136,7 @@ class Evaluator:
         rules,
         batch_sharding,
         seed,
+        draft_rules=None,
     ):
         self.draft_gd, self.target_gd = draft_gd, target_gd
         self.eval_batches = list(eval_batches)
@@ -143,6 +144,7 @@ class Evaluator:
         self.d = distill_cfg
         self.sampling = sampling
         self.eos_id, self.mesh, self.rules, self.seed = eos_id, mesh, rules, seed
+        self.draft_rules = rules if draft_rules is None else draft_rules
         self.temps = tuple(float(t) for t in distill_cfg.eval_temperatures)
         nd = len(self.domains)
         self._heldout = jax.jit(
@@ -165,7 +167,10 @@ class Evaluator:
         self._generated, self._generators = {}, {}
         for t in self.temps:
             s = SamplingConfig(temperature=t, top_k=sampling.top_k, top_p=sampling.top_p)
-            for role, gd in (('draft', draft_gd), ('target', target_gd)):
+            for role, gd, r in (
+                ('draft', draft_gd, self.draft_rules),
+                ('target', target_gd, rules),
+            ):
                 self._generators[role, t] = Generator(
                     gd,
                     distill_cfg.prompt_len,
@@ -173,7 +178,7 @@ class Evaluator:
                     s,
                     eos_id,
                     mesh,
-                    rules,
+                    r,
                     batch_sharding,
                 )
             self._generated[t] = jax.jit(
@@ -251,6 +256,7 @@ class Evaluator:
                 eos_id=self.eos_id,
                 mesh=self.mesh,
                 rules=self.rules,
+                draft_rules=self.draft_rules,
             )
             params, rng = (target_params, draft_params), jax.random.key(self.seed + 2)
             p = pair_eval.point(

@@ -144,7 +144,9 @@ class Generator:
     def __call__(self, params, host_batch, key) -> dict:
         prompts, lengths, domains = self.prompts(host_batch)
         out = self.generate(params, prompts, lengths, key)
-        batch = self._assemble(prompts, lengths, out.tokens, out.lengths)
+        # Host-local rows -> global arrays (each process holds its own rows of the batch).
+        rows = lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x)
+        batch = self._assemble(rows(prompts), rows(lengths), out.tokens, out.lengths)
         batch['domain_ids'] = domains
         return batch
 

@@ -9,6 +9,7 @@ import os
 from flax import nnx
 
 from specjax.models import Transformer, TransformerConfig
+from specjax.parallel.mesh import mesh_rules
 
 
 def check_identities(
@@ -87,12 +88,12 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
             where=(config.target_workdir, config.draft_workdir),
             draft_vocab_size=None if ids is None else len(ids),
         )
-        rules = config.mesh.rules
+        rules, draft_rules = mesh_rules(config.mesh)
         target, t_meta = load_model(config.target_workdir, mesh=mesh, rules=rules)
         draft, d_meta = load_model(
             config.draft_workdir,
             mesh=mesh,
-            rules=rules,
+            rules=draft_rules,
             params_key=config.draft_params_key,
             config_key=config.draft_config_key,
         )

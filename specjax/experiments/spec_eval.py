@@ -31,6 +31,7 @@ from specjax.experiments.pairs import draft_vocab_ids, load_models
 from specjax.experiments.prompts import Prompts, make_prompts
 from specjax.models import split
 from specjax.parallel import is_main_process, make_mesh
+from specjax.parallel.mesh import mesh_rules
 from specjax.sampling import (
     Acceptance,
     SamplingConfig,
@@ -215,7 +216,9 @@ def _spec_table(prompts: Prompts, outputs, alpha_cols, ev) -> dict:
     return pair_eval.row_table(outputs, columns)
 
 
-def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, mesh, rules):
+def _evaluate_sampling(
+    models, prompts, sampling, ks, cal, ev, *, seed, eos_id, mesh, rules, draft_rules
+):
     """Autoregressive and speculative (every k) decoding for one sampling setting.
 
     Compiles and decodes every point once, then times all points round-robin, so load drift on
@@ -235,7 +238,12 @@ def _evaluate_sampling(models, prompts, sampling, ks, cal, ev, *, seed, eos_id, 
     )
     for k in ks:
         fn = make_speculative_fn(
-            t_graphdef, d_graphdef, num_draft_tokens=k, acceptance=_acceptance(ev), **common
+            t_graphdef,
+            d_graphdef,
+            num_draft_tokens=k,
+            acceptance=_acceptance(ev),
+            draft_rules=draft_rules,
+            **common,
         )
         run_alls[k], outputs[k], records[k] = _compile_and_run(
             fn, [t_params, d_params], prompts, batch, seed
@@ -314,6 +322,7 @@ def run(config, workdir: str) -> dict:
 def _run(config, workdir, ev, samplings, ks, started) -> dict:
     tok = build_tokenizer(config.data)
     mesh = make_mesh(config.mesh)
+    rules, draft_rules = mesh_rules(config.mesh)
     target, draft, model_info = load_models(config, tok, mesh)
     prompts = make_prompts(
         config.data,
@@ -356,7 +365,8 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
             seed=seed,
             eos_id=eos_id,
             mesh=mesh,
-            rules=config.mesh.rules,
+            rules=rules,
+            draft_rules=draft_rules,
         )
         runs += point_runs
         for name, entries in point_buckets.items():

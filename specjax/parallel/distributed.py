@@ -51,3 +51,21 @@ def initialize_from_env(force_tpu: bool = False) -> bool:
 def is_main_process() -> bool:
     """Process 0 writes summaries, prints and owns workdir-level files."""
     return jax.process_index() == 0
+
+
+_barriers = [0]
+
+
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+    """Waits until every process reaches this point (a no-op with one process).
+
+    A coordination-service barrier, not a device collective: gloo (CPU) gives up on a new
+    device group after 30 s, so processes whose compiles finish far apart meet here first.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client jax.distributed.initialize created
+
+    _barriers[0] += 1
+    client = distributed.global_state.client
+    client.wait_at_barrier(f'specjax:{name}:{_barriers[0]}', int(timeout_s * 1000))

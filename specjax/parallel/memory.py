@@ -22,10 +22,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from specjax.models import TransformerConfig, init_cache
-from specjax.parallel.sharding import logical_to_spec, param_shardings
+from specjax.parallel.sharding import (  # noqa: F401 (CACHE_AXES, LENGTHS_AXES: re-exported)
+    CACHE_AXES,
+    LENGTHS_AXES,
+    cache_shardings,
+    param_shardings,
+)
 
 GIB = 1024**3
 
@@ -40,10 +44,6 @@ DEVICE_MEMORY_GIB = {
     'h100': 80,
     'h200': 141,
 }
-
-# Logical axes of the KV cache arrays (k and v per layer, and the per-row lengths).
-CACHE_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
-LENGTHS_AXES = ('batch',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,16 +131,6 @@ def abstract_params(cfg: TransformerConfig):
     from specjax.train.state import abstract_model
 
     return abstract_model(cfg)
-
-
-def cache_shardings(mesh, rules, cache):
-    """Shardings of a KVCache: [B, capacity, K, D] over CACHE_AXES, lengths over the batch."""
-    kv = NamedSharding(mesh, logical_to_spec(CACHE_AXES, rules))
-    return type(cache)(
-        k=tuple(kv for _ in cache.k),
-        v=tuple(kv for _ in cache.v),
-        lengths=NamedSharding(mesh, logical_to_spec(LENGTHS_AXES, rules)),
-    )
 
 
 def abstract_cache(cfg: TransformerConfig, batch_size: int, capacity: int):

@@ -20,7 +20,8 @@ from specjax.parallel.memory import (
     optimizer_item,
     params_item,
 )
-from specjax.parallel.sharding import batch_sharding, param_shardings, replicated
+from specjax.parallel.mesh import mesh_rules
+from specjax.parallel.sharding import batch_sharding, param_shardings
 
 
 def _int_batch(shape, sharding, keys, dtypes=None):
@@ -57,7 +58,7 @@ def plan_pretrain(config, mesh, compile_step: bool = True) -> MemoryPlan:
     from specjax.train.state import plan_train_state
     from specjax.train.steps import BATCH_KEYS, jit_train_step
 
-    rules = config.mesh.rules
+    rules, draft_rules = mesh_rules(config.mesh)
     cfg = TransformerConfig.from_dict(config.model)
     tx = make_optimizer(config.train)
     items = (params_item('model', cfg, mesh, rules), optimizer_item('model', cfg, tx, mesh, rules))
@@ -88,25 +89,25 @@ def plan_distill(config, mesh, compile_step: bool = True) -> MemoryPlan:
     from specjax.train.optimizer import learning_rate_schedule, make_optimizer
     from specjax.train.state import plan_train_state
 
-    rules = config.mesh.rules
+    rules, draft_rules = mesh_rules(config.mesh)
     draft = TransformerConfig.from_dict(config.draft)
     teacher = _meta_config(config.distill.teacher_workdir, 'distill.teacher_workdir')
     tx = make_optimizer(config.train)
     d = config.distill
     items = [
         params_item('teacher (frozen)', teacher, mesh, rules),
-        params_item('draft', draft, mesh, rules),
-        optimizer_item('draft', draft, tx, mesh, rules),
+        params_item('draft', draft, mesh, draft_rules),
+        optimizer_item('draft', draft, tx, mesh, draft_rules),
     ]
     generated = d.prompt_len + d.max_new_tokens
     if d.source != 'dataset':  # generated continuations: a sampler holds caches of its models
         batch = config.train.batch_size
         capacity = generated + 1
-        items.append(cache_item('draft', draft, batch, capacity, mesh, rules))
+        items.append(cache_item('draft', draft, batch, capacity, mesh, draft_rules))
         items.append(cache_item('teacher', teacher, batch, capacity, mesh, rules))
     temporaries = None
     if compile_step:
-        plan = plan_train_state(draft, tx, config.seed, mesh, rules)
+        plan = plan_train_state(draft, tx, config.seed, mesh, draft_rules)
         teacher_gd, teacher_params = abstract_params(teacher)
         t_shardings = param_shardings(mesh, teacher_params, rules)
         bs = batch_sharding(mesh, rules)
@@ -139,20 +140,20 @@ def plan_cotrain(config, mesh, compile_step: bool = True) -> MemoryPlan:
     from specjax.distill.steps import LossSettings, jit_cotrain_step
     from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 
-    rules = config.mesh.rules
+    rules, draft_rules = mesh_rules(config.mesh)
     target = TransformerConfig.from_dict(config.model)
     draft = TransformerConfig.from_dict(config.draft)
     tx = make_optimizer(config.train)
     items = (
         params_item('target', target, mesh, rules),
         optimizer_item('target', target, tx, mesh, rules),
-        params_item('draft', draft, mesh, rules),
-        optimizer_item('draft', draft, tx, mesh, rules),
+        params_item('draft', draft, mesh, draft_rules),
+        optimizer_item('draft', draft, tx, mesh, draft_rules),
     )
     temporaries = None
     if compile_step:
         tgd, dgd, shardings, abstract, _ = plan_cotrain_state(
-            target, draft, tx, config.seed, mesh, rules
+            target, draft, tx, config.seed, mesh, rules, draft_rules
         )
         bs = batch_sharding(mesh, rules)
         step = jit_cotrain_step(
@@ -173,7 +174,7 @@ def plan_cotrain(config, mesh, compile_step: bool = True) -> MemoryPlan:
 def plan_spec_eval(config, mesh, compile_step: bool = True) -> MemoryPlan:
     from specjax.sampling import SamplingConfig, make_speculative_fn
 
-    rules = config.mesh.rules
+    rules, draft_rules = mesh_rules(config.mesh)
     if config.random_init:
         target = TransformerConfig.from_dict(config.model)
         draft = TransformerConfig.from_dict(config.draft)
@@ -186,9 +187,9 @@ def plan_spec_eval(config, mesh, compile_step: bool = True) -> MemoryPlan:
     capacity = width + max_new + k + 1  # what the speculative sampler allocates
     items = (
         params_item('target', target, mesh, rules),
-        params_item('draft', draft, mesh, rules),
+        params_item('draft', draft, mesh, draft_rules),
         cache_item('target', target, batch, capacity, mesh, rules),
-        cache_item('draft', draft, batch, capacity, mesh, rules),
+        cache_item('draft', draft, batch, capacity, mesh, draft_rules),
     )
     temporaries = None
     if compile_step:
@@ -203,15 +204,14 @@ def plan_spec_eval(config, mesh, compile_step: bool = True) -> MemoryPlan:
             sampling=SamplingConfig(float(s[0]), int(s[1]), float(s[2])),
             mesh=mesh,
             rules=rules,
+            draft_rules=draft_rules,
         )
-        ts, ds = param_shardings(mesh, t_params, rules), param_shardings(mesh, d_params, rules)
         bs = batch_sharding(mesh, rules)
-        fn = jax.jit(sampler.core, in_shardings=(ts, ds, bs, bs, replicated(mesh)))
         prompts = jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=bs)
         lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=bs)
         key = jax.eval_shape(lambda: jax.random.key(0))
         temporaries = compiled_temporaries(
-            lambda: fn.lower(t_params, d_params, prompts, lengths, key)
+            lambda: sampler.lower_abstract(t_params, d_params, prompts, lengths, key)
         )
     return MemoryPlan('spec_eval', _mesh_shape(mesh), items, temporaries)
 

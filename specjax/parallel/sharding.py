@@ -76,3 +76,67 @@ def check_divisible(params, shardings) -> None:
                     f'parameter {name} dimension {dim} does not divide over mesh axes {axes} '
                     f'(size {size})'
                 )
+
+
+# Logical axes of the KV cache arrays (k and v per layer, and the per-row lengths).
+CACHE_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
+LENGTHS_AXES = ('batch',)
+
+
+def axes_size(mesh, axes) -> int:
+    """Number of shards a PartitionSpec entry (None, a mesh axis or a tuple of them) makes."""
+    flat = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    size = 1
+    for a in flat:
+        size *= mesh.shape[a]
+    return size
+
+
+def _divisible_spec(spec, shape, mesh) -> PartitionSpec:
+    return PartitionSpec(
+        *(a if d % axes_size(mesh, a) == 0 else None for d, a in zip(shape, spec, strict=False))
+    )
+
+
+def cache_shardings(mesh, rules, cache):
+    """Shardings of a KVCache: [B, capacity, K, D] over CACHE_AXES, lengths over the batch.
+
+    A dimension that does not divide over its mesh axes (kv heads of a small draft) replicates.
+    """
+    spec = logical_to_spec(CACHE_AXES, rules)
+    kv = lambda x: NamedSharding(mesh, _divisible_spec(spec, x.shape, mesh))
+    lengths = NamedSharding(mesh, logical_to_spec(LENGTHS_AXES, rules))
+    return type(cache)(k=tuple(map(kv, cache.k)), v=tuple(map(kv, cache.v)), lengths=lengths)
+
+
+def constrain_cache(cache, mesh, rules):
+    """`cache` with its layout pinned inside jit (batch and, where divisible, kv heads)."""
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(mesh, rules, cache))
+
+
+def check_model_on_mesh(cfg, mesh, rules, who: str, rules_field: str) -> None:
+    """Clear errors before compiling: heads / kv heads that do not split over the tensor axes of
+    `rules`, and logical axes (of parameters and caches) that have no rule."""
+    for name in CACHE_AXES:
+        logical_to_spec((name,), rules)
+    for logical, field in (('heads', 'n_heads'), ('kv_heads', 'n_kv_heads')):
+        axes = logical_to_spec((logical,), rules)[0]
+        size = axes_size(mesh, axes)
+        value = getattr(cfg, field)
+        if value % size:
+            raise ValueError(
+                f'{who} TransformerConfig.{field}={value} does not divide over mesh axes '
+                f'{axes} (size {size}) that {rules_field} maps {logical!r} to; give this model '
+                "rules that replicate it (e.g. draft_rules='data_parallel')"
+            )
+
+
+def check_batch(batch: int, mesh, rules) -> None:
+    """The global batch must split evenly over the mesh axes of the 'batch' rule."""
+    axes = logical_to_spec(('batch',), rules)[0]
+    size = axes_size(mesh, axes)
+    if batch % size:
+        raise ValueError(
+            f'global batch size B={batch} does not divide over the data-parallel size {size} '
+            f"(mesh axes {axes} of the 'batch' rule, mesh {dict(mesh.shape)})"
+        )

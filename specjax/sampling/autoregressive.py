@@ -64,16 +64,18 @@ def _cached_fn(graphdef, max_new, sampling, eos_id, mesh, rules):
         )
 
     core = functools.partial(
-        _autoregressive_core, graphdef, max_new=max_new, sampling=sampling, eos_id=eos_id
-    )
-    return common.ShardedSampler(core, mesh, rules, check)
+        _autoregressive_core, graphdef, max_new=max_new, sampling=sampling, eos_id=eos_id,
+        layout=(mesh, rules),
+    )  # fmt: skip
+    return common.ShardedSampler(core, mesh, rules, check, (('model', graphdef, rules, 'rules'),))
 
 
 def _autoregressive_core(
-    graphdef, params, prompts, prompt_lengths, rng, *, max_new, sampling, eos_id
+    graphdef, params, prompts, prompt_lengths, rng, *, max_new, sampling, eos_id, layout
 ):
     batch, width = prompts.shape
     cache = init_cache(common.config_of(graphdef), batch, width + max_new + 1)
+    (cache,) = common.shard_caches(layout[0], ((cache, layout[1]),))
     _, cache = apply_cached(graphdef, params, prompts, prompt_lengths - 1, cache)
     zeros = jnp.zeros((batch,), jnp.int32)
     state = dict(

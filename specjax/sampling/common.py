@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import functools
 import numbers
 
 import jax
@@ -21,6 +21,8 @@ from specjax.parallel import (
     param_shardings,
     replicated,
 )
+from specjax.parallel.mesh import resolve_rules
+from specjax.parallel.sharding import check_batch, check_model_on_mesh, constrain_cache
 from specjax.sampling.transforms import SamplingConfig
 
 PAD_ID = 0
@@ -126,8 +128,13 @@ def as_key(rng):
 
 
 def normalize_rules(rules) -> tuple:
-    rules = DEFAULT_RULES if rules is None else rules
-    return tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in rules)
+    """Rules as hashable pairs: None = DEFAULT_RULES; a preset name or pairs otherwise."""
+    return resolve_rules(DEFAULT_RULES if rules is None else rules, 'rules')
+
+
+def normalize_draft_rules(draft_rules, rules: tuple) -> tuple:
+    """The draft's rules: None = the target's (already normalised) `rules`."""
+    return rules if draft_rules is None else resolve_rules(draft_rules, 'draft_rules')
 
 
 def default_mesh():
@@ -138,13 +145,19 @@ def default_mesh():
 class ShardedSampler:
     """jax.jit of core(*params, prompts, lengths, rng) -> SampleOutput on a mesh.
 
-    Params are sharded by `rules` (shardings built from the first params seen; the graphdef
-    fixes their structure), the batch on 'batch', the key replicated. One compile per prompt
-    shape; `check` runs the host-side argument checks before any compile.
+    `models` gives, per params argument, (who, graphdef, rules, rules field): each model's
+    parameters are sharded by its own rules (a draft may be replicated while the target is
+    split), shardings built from the first params seen (the graphdef fixes their structure).
+    Prompts, lengths and the outputs' per-row arrays lie on the target rules' 'batch' axes,
+    the key and the totals are replicated. Prompts are host-local rows: with several processes
+    each passes its own rows and the global batch is their concatenation in process order.
+    One compile per prompt shape; every check (`check(width)`, batch and head divisibility,
+    missing rules) runs on the host before any compile.
     """
 
-    def __init__(self, core, mesh, rules, check):
+    def __init__(self, core, mesh, rules, check, models=None):
         self.core, self.mesh, self.rules, self.check = core, mesh, rules, check
+        self.models = models
         self._jitted, self._shardings = None, None
 
     def __call__(self, *args) -> SampleOutput:
@@ -157,30 +170,77 @@ class ShardedSampler:
         args = self.place(args)
         return self._jitted.lower(*args)
 
+    def param_shardings(self, params) -> list:
+        """Per params argument, its NamedSharding tree (checks heads and divisibility first)."""
+        models = self.models or [
+            (f'params[{i}]', None, self.rules, 'rules') for i in range(len(params))
+        ]
+        out = []
+        for p, (who, graphdef, rules, field) in zip(params, models, strict=True):
+            if graphdef is not None:
+                check_model_on_mesh(config_of(graphdef), self.mesh, rules, who, field)
+            shardings = param_shardings(self.mesh, p, rules)
+            check_divisible(p, shardings)
+            out.append(shardings)
+        return out
+
+    def lower_abstract(self, *args):
+        """Lowered for abstract arguments (ShapeDtypeStructs; the memory planner): checks, builds
+        the jit, places nothing. Prompts here are the global batch."""
+        *params, prompts, _, _ = args
+        self.check(prompts.shape[1])
+        check_batch(prompts.shape[0], self.mesh, self.rules)
+        self._build(params)
+        return self._jitted.lower(*args)
+
+    def _build(self, params):
+        """Builds the jit with explicit in_shardings on first use; returns the batch sharding."""
+        batch_spec = batch_sharding(self.mesh, self.rules)
+        if self._jitted is None:
+            rep = replicated(self.mesh)
+            self._shardings = (*self.param_shardings(params), batch_spec, batch_spec, rep)
+            pinned = functools.partial(_pinned_output, self.core, batch_spec, rep)
+            self._jitted = jax.jit(pinned, in_shardings=self._shardings)
+        return batch_spec
+
     def place(self, args):
         """Checks (*params, prompts, lengths, rng), builds the jit on first use, places them."""
         *params, prompts, prompt_lengths, rng = args
-        batch, width = check_prompts(prompts, prompt_lengths)
+        local_batch, width = check_prompts(prompts, prompt_lengths)
         self.check(width)
-        batch_spec = batch_sharding(self.mesh, self.rules)
-        shards = math.prod(self.mesh.shape[a] for a in _flat(batch_spec.spec[0]))
-        if batch % shards:
-            raise ValueError(f'batch size B={batch} does not divide over {shards} batch shards')
-        if self._jitted is None:
-            param_specs = [param_shardings(self.mesh, p, self.rules) for p in params]
-            for p, spec in zip(params, param_specs, strict=True):
-                check_divisible(p, spec)
-            rep = replicated(self.mesh)
-            self._shardings = (*param_specs, batch_spec, batch_spec, rep)
-            self._jitted = jax.jit(self.core, in_shardings=self._shardings)
-        args = (*params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32))
-        return jax.device_put((*args, as_key(rng)), self._shardings)
+        check_batch(local_batch * jax.process_count(), self.mesh, self.rules)
+        batch_spec = self._build(params)
+        placed = jax.device_put(params, list(self._shardings[: len(params)]))
+        rows = [
+            jax.make_array_from_process_local_data(batch_spec, np.asarray(x, np.int32))
+            for x in (prompts, prompt_lengths)
+        ]
+        return (*placed, *rows, place_key(as_key(rng), self._shardings[-1]))
 
 
-def _flat(axes) -> tuple:
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)
+def place_key(key, sharding):
+    """A PRNG key (typed or raw) placed on `sharding`, also where it spans several processes
+    (device_put refuses typed keys there: their raw data goes instead, then is re-wrapped)."""
+    if jax.process_count() == 1:
+        return jax.device_put(key, sharding)
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    data = np.asarray(jax.random.key_data(key) if typed else key)
+    placed = jax.make_array_from_process_local_data(sharding, data)
+    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(key)) if typed else placed
+
+
+def _pinned_output(core, batch_spec, rep, *args) -> SampleOutput:
+    """core's output with explicit layouts: tokens, lengths and `row_*` stats over the batch
+    axes, totals replicated (a constraint per output: the stats' names are known only here)."""
+    out = core(*args)
+    pin = jax.lax.with_sharding_constraint
+    stats = {k: pin(v, batch_spec if k.startswith('row_') else rep) for k, v in out.stats.items()}
+    return SampleOutput(pin(out.tokens, batch_spec), pin(out.lengths, batch_spec), stats)
+
+
+def shard_caches(mesh, caches_and_rules):
+    """Each (cache, rules) pinned to its layout inside jit (see parallel.constrain_cache)."""
+    return tuple(constrain_cache(c, mesh, r) for c, r in caches_and_rules)
 
 
 def write_rows(buffer_BN, block_BT, offsets_B):

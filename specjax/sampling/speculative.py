@@ -74,6 +74,7 @@ def speculative_sample(
     rules=None,
     acceptance='probabilistic',
     draft_vocab_ids=None,
+    draft_rules=None,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
 
@@ -82,6 +83,9 @@ def speculative_sample(
     lengths [B] and acceptance stats (see `SampleOutput`). `acceptance`: a rule name, dict or
     `Acceptance` (specjax.sampling.acceptance; exact ones keep the target's distribution).
     `draft_vocab_ids` int [N]: the draft proposes only these target tokens (see `DraftVocab`).
+    `mesh` / `rules`: where the target's parameters, the batch and both KV caches lie (default:
+    one device, DEFAULT_RULES); `draft_rules` (None = `rules`; pairs or a preset name such as
+    'data_parallel') shard the draft's parameters and cache differently, e.g. replicated.
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = split(draft)
@@ -96,6 +100,7 @@ def speculative_sample(
         rules=rules,
         acceptance=acceptance,
         draft_vocab_ids=draft_vocab_ids,
+        draft_rules=draft_rules,
     )
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
@@ -112,6 +117,7 @@ def make_speculative_fn(
     rules=None,
     acceptance='probabilistic',
     draft_vocab_ids=None,
+    draft_rules=None,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -130,6 +136,7 @@ def make_speculative_fn(
     if _bug not in _BUGS:
         raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
     mesh = common.default_mesh() if mesh is None else mesh
+    rules = common.normalize_rules(rules)
     return _cached_fn(
         target_graphdef,
         draft_graphdef,
@@ -138,7 +145,8 @@ def make_speculative_fn(
         sampling,
         eos_id,
         mesh,
-        common.normalize_rules(rules),
+        rules,
+        common.normalize_draft_rules(draft_rules, rules),
         acc,
         vocab,
         _bug,
@@ -147,8 +155,9 @@ def make_speculative_fn(
 
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
-    target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, mesh, rules, acc, vocab, bug
-):
+    target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, mesh, rules, draft_rules, acc,
+    vocab, bug,
+):  # fmt: skip
     def check(width):
         for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
             cfg = common.config_of(graphdef)
@@ -165,19 +174,27 @@ def _cached_fn(
         acc=acc,
         vocab=vocab,
         bug=bug,
+        layout=(mesh, rules, draft_rules),
     )
-    return common.ShardedSampler(core, mesh, rules, check)
+    models = (
+        ('target', target_graphdef, rules, 'rules'),
+        ('draft', draft_graphdef, draft_rules, 'draft_rules'),
+    )
+    return common.ShardedSampler(core, mesh, rules, check, models)
 
 
 def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, k, max_new, sampling, eos_id,
-    acc, vocab, bug,
+    acc, vocab, bug, layout,
 ):  # fmt: skip
     batch, width = prompts.shape
     capacity = width + max_new + k + 1
     rows = jnp.arange(batch)
-    tcache = init_cache(common.config_of(tgd), batch, capacity)
-    dcache = init_cache(common.config_of(dgd), batch, capacity)
+    mesh, rules, draft_rules = layout
+    tcache, dcache = common.shard_caches(mesh, (
+        (init_cache(common.config_of(tgd), batch, capacity), rules),
+        (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
+    ))  # fmt: skip
     _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
     _, dcache = apply_cached(dgd, dparams, vocab.to_draft(prompts), prompt_lengths - 1, dcache)
     zeros = jnp.zeros((batch,), jnp.int32)

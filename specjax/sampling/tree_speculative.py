@@ -47,24 +47,24 @@ _BUGS = (None, 'stale_residual', 'unmodified_p')
 
 def tree_speculative_sample(
     target, draft, prompts, prompt_lengths, *, tree, max_new_tokens: int,
-    sampling: SamplingConfig, rng, eos_id=None, mesh=None, rules=None,
+    sampling: SamplingConfig, rng, eos_id=None, mesh=None, rules=None, draft_rules=None,
 ) -> common.SampleOutput:  # fmt: skip
     """Samples max_new_tokens per row from `target`'s distribution with a draft token `tree`.
 
     Same arguments and output as `speculative_sample`, with `tree` (see specjax.sampling.tree)
     in place of num_draft_tokens; stats are per depth (k = D) and `drafted` counts N nodes a
-    round.
+    round. `mesh`, `rules` and `draft_rules` as in `speculative_sample`.
     """
     fn = make_tree_speculative_fn(
         split(target)[0], split(draft)[0], tree=tree, max_new_tokens=max_new_tokens,
-        sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules,
+        sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules, draft_rules=draft_rules,
     )  # fmt: skip
     return fn(split(target)[1], split(draft)[1], prompts, prompt_lengths, rng)
 
 
 def make_tree_speculative_fn(
     target_graphdef, draft_graphdef, *, tree, max_new_tokens: int, sampling: SamplingConfig,
-    eos_id=None, mesh=None, rules=None, _bug=None,
+    eos_id=None, mesh=None, rules=None, draft_rules=None, _bug=None,
 ):  # fmt: skip
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
     tree = tr.check_tree(tree)
@@ -80,14 +80,15 @@ def make_tree_speculative_fn(
     if sampling.greedy and tr.tables(tree).top > t_vocab:
         raise ValueError(f'tree child rank {tr.tables(tree).top - 1} >= vocab_size={t_vocab}')
     mesh = common.default_mesh() if mesh is None else mesh
+    rules = common.normalize_rules(rules)
     return _cached_fn(
-        target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh,
-        common.normalize_rules(rules), _bug,
+        target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh, rules,
+        common.normalize_draft_rules(draft_rules, rules), _bug,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, bug):
+def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug):
     n = len(tree)
 
     def check(width):
@@ -99,17 +100,21 @@ def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, bug):
 
     core = functools.partial(
         _tree_core, tgd, dgd, tree=tree, max_new=max_new, sampling=sampling, eos_id=eos_id,
-        bug=bug,
+        bug=bug, layout=(mesh, rules, draft_rules),
     )  # fmt: skip
-    return common.ShardedSampler(core, mesh, rules, check)
+    models = (('target', tgd, rules, 'rules'), ('draft', dgd, draft_rules, 'draft_rules'))
+    return common.ShardedSampler(core, mesh, rules, check, models)
 
 
-def _tree_core(tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, **kw):
+def _tree_core(tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, **kw):
     t = tr.tables(tree)
     batch, width = prompts.shape
     capacity = width + kw['max_new'] + t.num_nodes + 1
-    tcache = init_cache(common.config_of(tgd), batch, capacity)
-    dcache = init_cache(common.config_of(dgd), batch, capacity)
+    mesh, rules, draft_rules = layout
+    tcache, dcache = common.shard_caches(mesh, (
+        (init_cache(common.config_of(tgd), batch, capacity), rules),
+        (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
+    ))  # fmt: skip
     _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
     _, dcache = apply_cached(dgd, dparams, prompts, prompt_lengths - 1, dcache)
     zeros = jnp.zeros((batch,), jnp.int32)

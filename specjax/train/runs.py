@@ -28,7 +28,7 @@ def locked_workdir(workdir, mode: str):
 
 def check_mesh_config(mesh) -> None:
     """ValueError unless config.mesh has axes/shape/rules and a rule for every logical axis."""
-    check_keys(mesh, ('axes', 'shape', 'rules'), 'config.mesh')
+    check_keys(mesh, ('axes', 'shape', 'rules', 'draft_rules'), 'config.mesh')
     ruled = {name for name, _ in mesh.rules}
     missing = [a for a in LOGICAL_AXES if a not in ruled]
     if missing:

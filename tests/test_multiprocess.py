@@ -1,0 +1,92 @@
+"""Two local processes x 2 CPU devices (jax.distributed, gloo) agree with one process x 4 devices.
+
+launch/local_multiprocess.sh starts specjax.parallel.selfcheck on 2 processes while the same
+module runs alone on 4 simulated devices (both at once: the machine has few cores). Each run
+takes sharded LM train steps, a distill step on teacher-generated data from host-local prompts,
+a T = 1 speculative sampling call on host-local prompts (draft replicated by draft rules) and
+an orbax save + restore; process 0 alone writes results.json and the arrays. The two runs must
+agree: losses within float tolerance, generated and sampled tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra):
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        JAX_PLATFORMS='cpu',
+        JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or '',
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+        **extra,
+    )
+    env.pop('XLA_FLAGS', None)
+    return env
+
+
+def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
+    multi, single = tmp_path / 'multi', tmp_path / 'single'
+    launcher = subprocess.Popen(
+        ['bash', str(REPO / 'launch/local_multiprocess.sh'), '2', '2', '--', f'--workdir={multi}'],
+        env=_env(
+            SPECJAX_PYTHON=sys.executable,
+            SPECJAX_MODULE='specjax.parallel.selfcheck',
+            SPECJAX_LOG_DIR=str(tmp_path / 'logs'),
+            SPECJAX_MAX_RESTARTS='0',
+        ),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ref = subprocess.run(
+        [sys.executable, '-m', 'specjax.parallel.selfcheck', f'--workdir={single}'],
+        env=_env(JAX_NUM_CPU_DEVICES='4'),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    try:
+        launcher_out, _ = launcher.communicate(timeout=600)
+    finally:
+        launcher.kill()
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    logs = '\n'.join(
+        (tmp_path / 'logs' / f'proc_{i}.log').read_text()[-3000:]
+        for i in range(2)
+        if (tmp_path / 'logs' / f'proc_{i}.log').exists()
+    )
+    assert launcher.returncode == 0, launcher_out[-2000:] + logs
+
+    got = json.loads((multi / 'results.json').read_text())
+    want = json.loads((single / 'results.json').read_text())
+    assert (got['process_count'], got['device_count']) == (2, 4)
+    assert (want['process_count'], want['device_count']) == (1, 4)
+    assert got['written_by'] == 0
+    # Written once: a second writer would have moved the first file aside (results.step*.json).
+    assert sorted(p.name for p in multi.glob('results*')) == ['results.json']
+    assert got['restore_equal'] and got['restored_sharding_equal'] and got['restored_step'] == 3
+    np.testing.assert_allclose(got['train_loss'], want['train_loss'], rtol=1e-5)
+    assert got['train_loss'][2] < got['train_loss'][0]  # the steps really trained
+    np.testing.assert_allclose(got['distill_loss'], want['distill_loss'], rtol=1e-4)
+    assert got['spec_lengths'] == want['spec_lengths']
+    assert got['spec_accepted'] == want['spec_accepted']
+
+    a, b = np.load(multi / 'arrays.npz'), np.load(single / 'arrays.npz')
+    assert sorted(a.files) == sorted(b.files)
+    np.testing.assert_array_equal(a['generated'], b['generated'])  # teacher data, T = 1
+    np.testing.assert_array_equal(a['sampled'], b['sampled'])  # speculative, T = 1, same key
+    for name in a.files:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6, err_msg=name)
