@@ -17,22 +17,19 @@ Both models are checkpointed; load the draft with
 specjax.checkpoint.load_model(workdir, params_key='draft_params', config_key='draft_config').
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
 from specjax.distill.config import default_distill_config, model_config, parse_arg
+from specjax.experiments.sweep_spec import ConfigRef
 
 _DEFAULT_DRAFT = {'tiny': 'test', 'small': 'tiny', 'base': 'medium'}
 
 
 def _target_config(size: str) -> ml_collections.ConfigDict:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'target.py')
-    spec = importlib.util.spec_from_file_location('specjax_configs_target', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(f'size={size}')
+    return ConfigRef(path, f'size={size}').load()
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:

@@ -39,11 +39,11 @@ Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distill
 (co-training follows: it continues the target's schedule from step target steps - draft steps).
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
+from specjax.experiments.sweep_spec import ConfigRef
 from specjax.models import presets
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,11 +118,7 @@ _CONTINUED = (
 
 
 def _load(name: str, arg: str) -> ml_collections.ConfigDict:
-    path = os.path.join(_HERE, f'{name}.py')
-    spec = importlib.util.spec_from_file_location(f'specjax_configs_{name}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return ConfigRef(os.path.join(_HERE, f'{name}.py'), arg).load()
 
 
 def _parse(arg) -> tuple[str, str]:

@@ -17,10 +17,11 @@ run of every stage with small settings; still a 135M target).
 Any field is a flag, e.g. --config.teacher_cache.reduced_vocab_size=8192.
 """
 
-import importlib.util
 import os
 
 import ml_collections
+
+from specjax.experiments.sweep_spec import ConfigRef
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,11 +81,7 @@ _ESTIMATES = {
 
 
 def _load(name: str, arg: str) -> ml_collections.ConfigDict:
-    path = os.path.join(_HERE, f'{name}.py')
-    spec = importlib.util.spec_from_file_location(f'specjax_configs_{name}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return ConfigRef(os.path.join(_HERE, f'{name}.py'), arg).load()
 
 
 def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:

@@ -14,10 +14,11 @@ Any field is a flag (e.g. --config.eval.ks='(2,4,8)', --config.draft_workdir=<a 
 draft>); a draft must share SmolLM2's tokenizer (checked before anything compiles).
 """
 
-import importlib.util
 import os
 
 import ml_collections
+
+from specjax.experiments.sweep_spec import ConfigRef
 
 TARGET_WORKDIR = '/tmp/specjax/smollm2'
 DRAFT_WORKDIR = '/tmp/specjax/smollm2_exit4'
@@ -25,10 +26,7 @@ DRAFT_WORKDIR = '/tmp/specjax/smollm2_exit4'
 
 def _spec_eval_config() -> ml_collections.ConfigDict:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'spec_eval.py')
-    spec = importlib.util.spec_from_file_location('specjax_configs_spec_eval', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config('checkpoints')
+    return ConfigRef(path, 'checkpoints').load()
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
