@@ -182,6 +182,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.size = size  # preset name (recorded in the report)
     c.stages = 'all'  # 'all' or comma-separated stage names (prerequisites must be finished)
     c.compilation_cache = '~/.cache/specjax/jax-cache'  # persistent XLA cache ('' = off)
+    # training stages side by side in child processes (the drafts and co-training need only the
+    # target); timing stages always run alone. 0 = auto: 2 on a multi-core CPU, else 1
+    c.parallel_stages = 0
 
     c.data = _load('target', 'size=tiny').data  # shared by every stage (seq_len per stage)
     c.data.vocab_size = p['vocab_size']

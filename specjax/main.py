@@ -10,7 +10,6 @@ checkpoint was committed (rerun to resume), anything else a failure.
 from __future__ import annotations
 
 import importlib
-import logging as pylogging
 import sys
 
 from absl import app, flags, logging
@@ -18,6 +17,7 @@ from ml_collections import config_flags
 
 from specjax import host_malloc
 from specjax.parallel.distributed import initialize_from_env
+from specjax.train.metrics import quiet_libraries
 from specjax.workdir import PREEMPTED_EXIT_CODE, die_with_runner
 
 # mode -> 'module:function' taking (config, workdir); imported only when chosen.
@@ -33,13 +33,6 @@ MODES = {
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file: path[:arg].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: checkpoints, metrics, results.')
 flags.mark_flags_as_required(['config', 'workdir'])
-
-
-class _QuietLibraries(pylogging.Filter):
-    """Drops orbax's per-save INFO chatter; warnings and errors still show."""
-
-    def filter(self, record):
-        return record.levelno >= pylogging.WARNING or '/orbax/' not in record.pathname
 
 
 def resolve_mode(mode):
@@ -77,7 +70,7 @@ def main(argv):
     initialize_from_env()  # multi-process runs (launch/); a no-op on one machine
     config = _CONFIG.value
     run = resolve_mode(config.get('mode'))
-    logging.get_absl_handler().addFilter(_QuietLibraries())
+    quiet_libraries()
     logging.info(
         'mode %s, workdir %s, config: %s',
         config.mode,

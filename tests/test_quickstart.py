@@ -15,7 +15,7 @@ import time
 import pytest
 from data_fixtures import prepared_stdlib_dir
 
-from specjax.experiments import quickstart, quickstart_report
+from specjax.experiments import quickstart, quickstart_report, stage_runner
 from specjax.experiments.report import fmt
 
 _CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
@@ -96,6 +96,27 @@ def test_every_stage_runs_and_report_has_every_section_and_plot(finished):
         with open(path, 'rb') as f:
             assert f.read(8) == b'\x89PNG\r\n\x1a\n'
         assert f'(plots/{name}.png)' in text
+
+
+def test_training_stages_ran_side_by_side_and_timing_stages_alone(finished):
+    config, workdir, outcome, _ = finished
+    with open(os.path.join(workdir, 'quickstart.json')) as f:
+        run = json.load(f)
+    beside = run['stage_beside']
+    assert 'draft_distilled' in beside['draft_ce']  # 2 workers on this 2-core CPU (auto)
+    for stage in ('target', 'spec_ce', 'spec_distilled', 'spec_cotrain', 'serve'):
+        assert beside[stage] == [], (stage, beside[stage])
+    for stage in ('draft_ce', 'draft_distilled', 'cotrain'):  # their processes logged here
+        with open(os.path.join(workdir, stage, 'log.txt')) as f:
+            assert 'results: ' in f.read()
+    assert run['total_seconds'] >= max(run['stage_seconds'].values())
+
+
+def test_parallel_stages_must_be_a_count():
+    config = _config()
+    config.parallel_stages = -1
+    with pytest.raises(ValueError, match='config.parallel_stages must be an int >= 0'):
+        stage_runner.workers(config)
 
 
 def test_cotrained_target_is_the_pretrained_target(finished):

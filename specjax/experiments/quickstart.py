@@ -18,15 +18,15 @@ import dataclasses
 import importlib.util
 import json
 import os
-import time
 from collections.abc import Callable
 
 import ml_collections
 
 from specjax.experiments import report as report_lib
+from specjax.experiments import stage_runner
 
 STAGE_FILE = 'quickstart_stage.json'
-RUN_FILE = 'quickstart.json'
+RUN_FILE = stage_runner.RUN_FILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Stage:
     results: str  # file in the stage workdir whose presence means finished
     prereqs: tuple[str, ...]
     run: Callable  # (stage_config, stage_workdir, workdir) -> None
+    concurrent: bool = False  # training: may run beside other concurrent stages (stage_runner)
+    after: tuple[str, ...] = ()  # run after these when selected (e.g. to reuse their compiles)
 
 
 def _pretrain(cfg, wd, root):
@@ -86,9 +88,11 @@ def _report(cfg, wd, root):
 
 STAGES = (
     Stage('target', 'target', 'results.json', (), _pretrain),
-    Stage('draft_ce', 'draft_ce', 'results.json', ('target',), _distill),
-    Stage('draft_distilled', 'draft_distilled', 'results.json', ('target',), _distill),
-    Stage('cotrain', 'cotrain', 'results.json', ('target',), _cotrain),
+    Stage('draft_ce', 'draft_ce', 'results.json', ('target',), _distill, concurrent=True),
+    Stage(
+        'draft_distilled', 'draft_distilled', 'results.json', ('target',), _distill, concurrent=True
+    ),
+    Stage('cotrain', 'cotrain', 'results.json', ('target',), _cotrain, concurrent=True),
     Stage(
         'spec_ce',
         'spec_eval',
@@ -102,6 +106,7 @@ STAGES = (
         'spec_eval.json',
         ('target', 'draft_distilled'),
         _spec_eval('target', 'draft_distilled', False),
+        after=('spec_ce',),  # reuses spec_ce's sampler compiles (same shapes)
     ),
     Stage(
         'spec_cotrain',
@@ -109,6 +114,7 @@ STAGES = (
         'spec_eval.json',
         ('cotrain',),
         _spec_eval('cotrain', 'cotrain', True),
+        after=('spec_ce',),
     ),
     Stage(
         'serve',
@@ -242,53 +248,12 @@ def check_plotting() -> None:
         )
 
 
-def _enable_cache(path: str) -> None:
+def enable_cache(path: str) -> None:
     if path:
         import jax
 
         jax.config.update('jax_compilation_cache_dir', os.path.expanduser(path))
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
-
-
-class Progress:
-    """Stage-by-stage progress with an ETA: the estimates, rescaled by finished stages' pace."""
-
-    def __init__(self, stages: list[Stage], estimates, done: dict[str, bool]):
-        self.todo = [s.name for s in stages if not (done[s.name] and s.name != 'report')]
-        self.estimates = {n: float(estimates.get(n, 60.0)) for n in self.todo}
-        self.started = time.perf_counter()
-        self.spent_est = self.spent = 0.0
-
-    def begin(self, name: str) -> None:
-        i = self.todo.index(name) + 1
-        pace = self.spent / self.spent_est if self.spent_est else 1.0
-        remaining = pace * sum(self.estimates[n] for n in self.todo[i - 1 :])
-        print(
-            f'[quickstart] stage {i}/{len(self.todo)} {name}: ~{pace * self.estimates[name]:.0f} s;'
-            f' elapsed {time.perf_counter() - self.started:.0f} s, ETA {remaining:.0f} s',
-            flush=True,
-        )
-
-    def end(self, name: str, seconds: float) -> None:
-        self.spent += seconds
-        self.spent_est += self.estimates[name]
-        print(f'[quickstart] {name} done in {seconds:.0f} s', flush=True)
-
-
-def _record_run(workdir: str, name: str, seconds: float, cpu_seconds: float) -> None:
-    """Adds wall and process CPU seconds to a stage's totals (CPU seconds are what a shared
-    machine inflates least); every attempt of a stage counts, preempted ones included."""
-    path = os.path.join(workdir, RUN_FILE)
-    record = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            record = json.load(f)
-    for key, value in (('stage_seconds', seconds), ('stage_cpu_seconds', cpu_seconds)):
-        times = record.setdefault(key, {})
-        times[name] = times.get(name, 0.0) + value  # a preempted attempt counts too
-    record['load_average'] = os.getloadavg()
-    record['cpu_count'] = os.cpu_count()
-    report_lib.write_json(path, record)
 
 
 def run(config, workdir: str) -> dict:
@@ -302,27 +267,34 @@ def run(config, workdir: str) -> dict:
         quickstart_smollm2.check_available(config.target.source)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     done = check_workdir(config, workdir, stages)
-    _enable_cache(config.compilation_cache)
-    progress = Progress(stages, config.estimates, done)
-    outcome = {}
-    for stage in stages:
-        wd = stage_dir(workdir, stage)
-        if done[stage.name] and stage.name != 'report':
-            print(f'[quickstart] {stage.name}: finished earlier, reused ({wd})', flush=True)
-            outcome[stage.name] = 'reused'
-            continue
-        cfg = stage_config(config, stage)
+    enable_cache(config.compilation_cache)
+    todo = [s for s in stages if not (done[s.name] and s.name != 'report')]
+    outcome = {s.name: 'reused' for s in stages if s not in todo}
+    for name in outcome:
+        print(f'[quickstart] {name}: finished earlier, reused', flush=True)
+    n_workers = stage_runner.workers(config)
+    if n_workers == 1:
+        todo = [dataclasses.replace(s, concurrent=False) for s in todo]
+    progress = stage_runner.Progress(todo, config.estimates, n_workers)
+    before = stage_runner.read_run(workdir).get('total_seconds', 0.0)  # earlier invocations
+
+    def prepare(stage):
+        cfg, wd = stage_config(config, stage), stage_dir(workdir, stage)
         os.makedirs(wd, exist_ok=True)
-        if stage.name != 'report':
+        if stage.name == 'report':  # the report states the time from start to report
+            stage_runner.record_run(workdir, '', 0, 0, total=before + progress.elapsed())
+        else:
             report_lib.write_json(
                 os.path.join(wd, STAGE_FILE), {'stage': stage.name, 'config': _identity(cfg)}
             )
-        progress.begin(stage.name)
-        t0, c0 = time.perf_counter(), time.process_time()
-        stage.run(cfg, wd, workdir)
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        return cfg, wd
+
+    def finished(stage, times, beside, log) -> bool:
+        wd = stage_dir(workdir, stage)
         if stage.name != 'report':
-            _record_run(workdir, stage.name, seconds, cpu_seconds)
+            stage_runner.record_run(
+                workdir, stage.name, *times, beside, total=before + progress.elapsed()
+            )
         if not os.path.exists(os.path.join(wd, stage.results)):
             print(
                 f'[quickstart] stage {stage.name} stopped before finishing (preempted: its '
@@ -330,8 +302,12 @@ def run(config, workdir: str) -> dict:
                 flush=True,
             )
             outcome[stage.name] = 'preempted'
-            return outcome
-        progress.end(stage.name, seconds)
+            return False
+        progress.end(stage.name, times[0], log)
         outcome[stage.name] = 'ran'
-    print(f'[quickstart] report: {os.path.join(workdir, "report.md")}', flush=True)
+        return True
+
+    stage_runner.run_pool(config, workdir, todo, prepare, finished, progress, n_workers)
+    if 'preempted' not in outcome.values():
+        print(f'[quickstart] report: {os.path.join(workdir, "report.md")}', flush=True)
     return outcome

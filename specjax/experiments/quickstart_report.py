@@ -180,6 +180,7 @@ def section_setup(d: dict) -> list[str]:
         ]
     secs = d['run']['stage_seconds']
     cpu = d['run'].get('stage_cpu_seconds', {})
+    beside = d['run'].get('stage_beside', {})
     load = ', '.join(fmt(x) for x in d['run'].get('load_average', ()))
     env = d['spec_distilled']['environment']
     return [
@@ -193,10 +194,15 @@ def section_setup(d: dict) -> list[str]:
         f'{fmt(t["baselines"].get("unigram"))} nats (same validation tokens as the target).',
         '',
         markdown_table(
-            ['stage', 'wall seconds', 'process CPU seconds'],
-            [[k, v, cpu.get(k)] for k, v in secs.items()]
-            + [['total', sum(secs.values()), sum(cpu.values()) if cpu else None]],
+            ['stage', 'wall seconds', 'process CPU seconds', 'ran beside'],
+            [[k, v, cpu.get(k), ', '.join(beside.get(k, ())) or '-'] for k, v in secs.items()]
+            + [['total', sum(secs.values()), sum(cpu.values()) if cpu else None, '']],
         ),
+        '',
+        'Training stages run side by side in their own processes when config.parallel_stages '
+        'allows (their wall seconds then include sharing the CPU); timing stages always run '
+        'alone. The quickstart took '
+        f'{fmt(d["run"].get("total_seconds"))} s from start to report.',
         '',
         f'Load average at the end of the last stage: {load} on {d["run"].get("cpu_count")} '
         'cores (above the core count the machine was shared and wall times are inflated; CPU '
@@ -468,6 +474,11 @@ def _spec_cell(spec: dict, k: int) -> str:
     return f'acceptance {fmt(r["acceptance_rate"])}, tau {fmt(r["block_efficiency"])} (T=0, k={k})'
 
 
+def _shared(d: dict, stage: str) -> str:
+    beside = d['run'].get('stage_beside', {}).get(stage)
+    return f', run beside {" and ".join(beside)}' if beside else ''
+
+
 def section_side_by_side(d: dict) -> list[str]:
     sv = d['serve']
     b1 = min(r['batch_size'] for r in sv['rows'])
@@ -527,8 +538,8 @@ def section_side_by_side(d: dict) -> list[str]:
         '',
         markdown_table(headers, rows),
         '',
-        f'Break-even (draft_distilled training {fmt(train)} s ÷ serving seconds saved per token '
-        f'at batch {b1}): as a replacement of the target, '
+        f'Break-even (draft_distilled training {fmt(train)} s{_shared(d, "draft_distilled")} '
+        f'÷ serving seconds saved per token at batch {b1}): as a replacement of the target, '
         f'{break_even(train, target["tpot_s"] - alone["tpot_s"])}; as the draft of speculative '
         f'decoding, {break_even(train, target["tpot_s"] - both["tpot_s"])}.',
         '',

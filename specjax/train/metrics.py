@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging as pylogging
 import math
 import os
 import time
@@ -66,6 +67,18 @@ class MetricsWriter:
             if self._file is not None:
                 self._file.close()
             self._tb.close()
+
+
+class _QuietLibraries(pylogging.Filter):
+    """Drops orbax's per-save INFO chatter; warnings and errors still show."""
+
+    def filter(self, record):
+        return record.levelno >= pylogging.WARNING or '/orbax/' not in record.pathname
+
+
+def quiet_libraries() -> None:
+    """Drops orbax's per-save INFO lines from absl's handler (specjax.main, stage processes)."""
+    logging.get_absl_handler().addFilter(_QuietLibraries())
 
 
 class Progress:
