@@ -78,7 +78,9 @@ def main(argv):
         config.to_json_best_effort(sort_keys=True),
     )
     result = run(config, _WORKDIR.value)
-    if isinstance(result, dict) and result.get('preempted'):
+    stages = result.values() if config.mode == 'quickstart' else ()  # {stage: status}
+    preempted = isinstance(result, dict) and (result.get('preempted') or 'preempted' in stages)
+    if preempted:
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is committed; launchers restart on this
 
 

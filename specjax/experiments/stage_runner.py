@@ -151,7 +151,7 @@ def run_pool(config, workdir, stages, prepare, finished, progress, n_workers) ->
     pending, running, done = list(stages), {}, set()
     selected = {s.name for s in stages}
     beside: dict[str, set[str]] = {}
-    exiting = []
+    exiting, stopping = [], []
 
     def ready(stage):
         return all(p in done for p in (*stage.prereqs, *stage.after) if p in selected)
@@ -171,6 +171,8 @@ def run_pool(config, workdir, stages, prepare, finished, progress, n_workers) ->
         running[stage.name] = (proc, stage, recv, log)
 
     def stop_children(signum=None, frame=None):  # each child checkpoints on SIGTERM
+        if signum is not None:
+            stopping.append(signum)
         if signum is not None and not running:  # a stage running here: as without the pool
             signal.signal(signal.SIGTERM, previous)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -209,6 +211,8 @@ def run_pool(config, workdir, stages, prepare, finished, progress, n_workers) ->
                 except EOFError:
                     proc.join()
                     status, value = 'error', f'the process exited with code {proc.exitcode}'
+                    if stopping:  # stopped before its training loop could checkpoint
+                        status, value = 'ok', (0.0, 0.0)
                 exiting.append(proc)  # joined at the end: its exit overlaps the next stage
                 if status != 'ok':
                     stop_children()
