@@ -96,6 +96,7 @@ def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
     c.draft.norm_eps = 1e-6
     c.draft.dtype = 'float32'
     c.draft.param_dtype = 'float32'
+    c.draft.scan_layers = False
     c.train = ml_collections.ConfigDict()
     c.train.steps = p['steps']
     c.train.batch_size = p['batch']

@@ -49,6 +49,7 @@ def _model(d_model, n_layers, n_heads, d_ff, vocab_ref, max_len) -> ml_collectio
     m.norm_eps = 1e-6  # RMSNorm epsilon
     m.dtype = 'float32'  # activation compute dtype
     m.param_dtype = 'float32'  # parameter storage dtype
+    m.scan_layers = False  # True: blocks stacked, one lax.scan body
     return m
 
 

@@ -70,6 +70,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-6  # RMSNorm epsilon
     c.model.dtype = 'bfloat16' if size == 'base' else 'float32'  # activation compute dtype
     c.model.param_dtype = 'float32'  # parameter storage dtype
+    c.model.scan_layers = False  # True: blocks stacked, one lax.scan body (faster deep compiles)
 
     c.train = default_train_config()  # optimizer, schedule, logging, eval, checkpoints
     c.train.steps = steps

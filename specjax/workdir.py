@@ -9,7 +9,8 @@
   `config` and its `config_hash`; a results.json written by another mode is never replaced.
 - `config_changes(saved, current)`: the result-changing fields that differ between two configs;
   IGNORED_CONFIG_FIELDS lists the ones that do not change a result (logging, checkpoint
-  cadence, the mesh, paths of inputs whose identity is checked separately).
+  cadence, the mesh, paths of inputs whose identity is checked separately); DEFAULT_VALUED_FIELDS
+  the ones left out while at their default (fields newer than some workdirs).
 - `resolve(workdir)` / `path(workdir)`: the one spelling of a workdir (str, pathlib.Path or
   epath.Path; a local path absolute with ~ expanded, a remote `gs://` URI kept) and its
   etils.epath.Path, through which every workdir file is read and written (so `gs://` works).
@@ -58,6 +59,13 @@ IGNORED_CONFIG_FIELDS = (
     'data.cache_tokens',  # the same token ids, cached or not
     'sweep.dry_run',
 )
+
+# Fields added after workdirs were recorded, by their last dotted component: left out of the
+# identity while at this default (a workdir from before the field existed still matches; any
+# other value is compared like every field).
+DEFAULT_VALUED_FIELDS = {
+    'scan_layers': False,  # model.scan_layers, draft.scan_layers (parameter layout)
+}
 
 
 class ConfigMismatch(ValueError):
@@ -219,7 +227,16 @@ def relevant_config(config) -> dict[str, Any]:
     """Dotted field -> JSON value of every result-changing field of `config`."""
     from specjax.checkpoint import to_json
 
-    return {k: v for k, v in _flatten(to_json(config)).items() if not _ignored(k)}
+    return {
+        k: v
+        for k, v in _flatten(to_json(config)).items()
+        if not _ignored(k) and not _at_default(k, v)
+    }
+
+
+def _at_default(field: str, value) -> bool:
+    name = field.rpartition('.')[2]
+    return name in DEFAULT_VALUED_FIELDS and value == DEFAULT_VALUED_FIELDS[name]
 
 
 def config_hash(config) -> str:

@@ -85,3 +85,86 @@ def test_tpu_vm_script_passes_arguments_intact_and_copies_only_the_checkout(tmp_
     subprocess.run(['bash', str(worker / 'run_specjax.sh')], env=env, check=True)
     runs = [json.loads(line) for line in (tmp_path / 'argv.log').read_text().splitlines()]
     assert runs == [['-m', 'specjax.main', '--workdir=gs://b/run 1', *args]] * 2
+
+
+# Slurm stand-ins: scontrol expands the node list / records a requeue; srun runs its command once
+# per task (SLURM_PROCID 0..SLURM_NTASKS-1) and exits with the highest status, as srun does.
+FAKE_SCONTROL = r"""#!/usr/bin/env python3
+import os, sys
+if sys.argv[1:3] == ['show', 'hostnames']:
+    print('\n'.join('gpu' + n for n in sys.argv[3][4:-1].split(',')))  # gpu[07,08] only
+else:
+    with open(os.environ['FAKE_LOG'], 'a') as f:
+        f.write(' '.join(sys.argv[1:]) + '\n')
+"""
+FAKE_SRUN = r"""#!/usr/bin/env python3
+import os, subprocess, sys
+cmd = sys.argv[1:]
+while cmd[0].startswith('--'):  # srun options (SPECJAX_SRUN_ARGS)
+    cmd = cmd[1:]
+codes = [
+    subprocess.run(cmd, env=dict(os.environ, SLURM_PROCID=str(i))).returncode
+    for i in range(int(os.environ['SLURM_NTASKS']))
+]
+sys.exit(max(codes))
+"""
+# The task's python: records argv and the jax.distributed variables, exits FAKE_EXIT.
+FAKE_TASK_PYTHON = r"""#!/usr/bin/env python3
+import json, os, sys
+names = ('SPECJAX_COORDINATOR', 'SPECJAX_NUM_PROCESSES', 'SPECJAX_PROCESS_ID')
+env = {k: os.environ[k] for k in names if k in os.environ}
+with open(os.environ['FAKE_ARGV'], 'a') as f:
+    f.write(json.dumps([sys.argv[1:], env]) + '\n')
+sys.exit(int(os.environ['FAKE_EXIT']))
+"""
+
+
+@pytest.mark.parametrize('exit_code', [0, 42])
+def test_slurm_script_starts_one_process_per_task_with_arguments_intact(tmp_path, exit_code):
+    """launch/slurm_gpu.sbatch on fake srun/scontrol: every task runs specjax.main with the
+    arguments as given and jax.distributed's variables (coordinator on the first node, its own
+    process id); a preempted run (exit 42) is requeued, a finished one is not."""
+    script = REPO / 'launch/slurm_gpu.sbatch'
+    lines = script.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith('#'))
+    directives = [i for i, line in enumerate(lines) if line.startswith('#SBATCH')]
+    assert directives and max(directives) < first_command  # sbatch stops reading at a command
+    assert '#SBATCH --requeue' in lines and '#SBATCH --ntasks-per-node=1' in lines
+
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    _script(bin_dir / 'scontrol', FAKE_SCONTROL)
+    _script(bin_dir / 'srun', FAKE_SRUN)
+    _script(bin_dir / 'python', FAKE_TASK_PYTHON)
+    env = dict(
+        os.environ,
+        PATH=f'{bin_dir}:{os.environ["PATH"]}',
+        SLURM_JOB_ID='4242',
+        SLURM_JOB_NODELIST='gpu[07,08,09]',
+        SLURM_NTASKS='3',
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SPECJAX_PYTHON=str(bin_dir / 'python'),
+        SPECJAX_SRUN_ARGS='--cpu-bind=none --mpi=none',
+        FAKE_LOG=str(tmp_path / 'scontrol.log'),
+        FAKE_ARGV=str(tmp_path / 'argv.log'),
+        FAKE_EXIT=str(exit_code),
+    )
+    args = [
+        '--config=configs/distill.py:size=tiny',
+        '--config.mesh.shape=(-1,1,1)',
+        "--config.distill.teacher_workdir=/shared/it's here",
+        '--config.name=two words',
+    ]
+    done = subprocess.run(
+        ['bash', str(script), '/shared/run 1', '--', *args], env=env, capture_output=True
+    )
+    assert done.returncode == exit_code, done.stderr
+    tasks = [json.loads(line) for line in (tmp_path / 'argv.log').read_text().splitlines()]
+    assert [argv for argv, _ in tasks] == [
+        ['-m', 'specjax.main', '--workdir=/shared/run 1', *args]
+    ] * 3
+    want = dict(SPECJAX_COORDINATOR='gpu07:24242', SPECJAX_NUM_PROCESSES='3')
+    assert [env for _, env in tasks] == [dict(want, SPECJAX_PROCESS_ID=str(i)) for i in range(3)]
+    requeued = (tmp_path / 'scontrol.log').read_text() if exit_code else ''
+    assert requeued == ('requeue 4242\n' if exit_code == 42 else '')
+    assert not (tmp_path / 'scontrol.log').exists() or exit_code == 42

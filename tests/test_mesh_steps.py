@@ -255,7 +255,8 @@ _SCRIPT = textwrap.dedent(
 def test_train_distill_cotrain_steps_on_8_device_meshes_equal_one_device():
     env = dict(
         os.environ,
-        XLA_FLAGS='--xla_force_host_platform_device_count=8',
+        # 8 host devices; no LLVM optimisation passes: compiles dominate (see test_multiprocess)
+        XLA_FLAGS='--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0',
         JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,  # conftest's cache
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.2',
     )
@@ -263,3 +264,6 @@ def test_train_distill_cotrain_steps_on_8_device_meshes_equal_one_device():
         [sys.executable, '-c', _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert 'ALL_MESH_OK' in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    # The embedding gradient on (2, 2, 2) no longer needs its cotangent gathered whole (checked
+    # where the steps compile; a persistent-cache hit skips XLA's partitioner and its warnings).
+    assert 'Involuntary full rematerialization' not in out.stderr, out.stderr[-4000:]

@@ -91,3 +91,62 @@ def test_readme_tensorboard_instruction_is_runnable():
     if 'tensorboard --logdir' in readme:
         installs = re.search(r'pip install tensorboard(?!X)', readme)
         assert installs or re.search(r'"tensorboard[<>=~"]', pyproject)
+
+
+def _drop(tree: dict, name: str) -> dict:
+    """A config's JSON without `name` anywhere: what a workdir from before the field recorded."""
+    return {k: _drop(v, name) if isinstance(v, dict) else v for k, v in tree.items() if k != name}
+
+
+def _parse(argv):
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv, argv = flags.FlagValues(), ['specjax', *argv]  # as specjax.main parses its flags
+    config_flags.DEFINE_config_file('config', None, 'config', flag_values=fv, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+
+@pytest.mark.parametrize(
+    'config_arg, group',
+    [
+        ('configs/target.py:size=tiny', 'model'),
+        ('configs/distill.py', 'draft'),
+        ('configs/cotrain.py', 'draft'),
+        ('configs/spec_eval.py:random', 'draft'),
+    ],
+)
+def test_scan_layers_is_settable_and_old_workdirs_still_match(config_arg, group):
+    """The shipped configs carry scan_layers=False (so --config.<group>.scan_layers=True
+    parses); a workdir recorded before the field existed has the same identity, a stacked run
+    does not (its checkpoints hold another parameter layout)."""
+    from specjax.checkpoint import to_json
+    from specjax.models import Transformer, TransformerConfig
+    from specjax.models.layout import is_stacked
+    from specjax.workdir import config_changes
+
+    path, _, arg = config_arg.partition(':')
+    flag = f'--config={ROOT / path}' + (f':{arg}' if arg else '')
+    config = _parse([flag])
+    assert config[group].scan_layers is False
+    old = _drop(to_json(config), 'scan_layers')
+    assert 'scan_layers' not in json.dumps(old)
+    assert config_changes(old, config) == []
+    assert config_hash(ml_collections.ConfigDict(old)) == config_hash(config)
+
+    scanned = _parse([flag, f'--config.{group}.scan_layers=True'])
+    assert config_changes(old, scanned) == [(f'{group}.scan_layers', None, True)]
+    assert config_hash(scanned) != config_hash(config)
+    cfg = TransformerConfig.from_dict(scanned[group])
+    assert cfg.scan_layers is True and cfg.to_dict()['scan_layers'] is True
+    if group == 'model':  # the flag reaches the model: blocks stacked on a layers axis
+        import jax
+        from flax import nnx
+
+        small = dict(scanned[group].to_dict(), d_model=16, n_heads=2, n_kv_heads=2, d_ff=32)
+        model = nnx.eval_shape(
+            lambda: Transformer(TransformerConfig.from_dict(small), rngs=nnx.Rngs(0))
+        )
+        assert is_stacked(nnx.state(model))
+        assert jax.tree.leaves(nnx.state(model))[0].shape[0] == cfg.n_layers

@@ -55,6 +55,7 @@ def model_config(size: str, vocab_size: int, max_len: int) -> ml_collections.Con
     c.norm_eps = 1e-6  # RMSNorm epsilon
     c.dtype = 'float32'  # activation dtype
     c.param_dtype = 'float32'  # parameter dtype
+    c.scan_layers = False  # True: blocks stacked, one lax.scan body (faster deep compiles)
     return c
 
 

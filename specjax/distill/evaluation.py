@@ -31,6 +31,7 @@ import numpy as np
 
 from specjax.distill.sources import Generator, prompts_from_batch
 from specjax.models import apply, merge
+from specjax.parallel import to_host
 from specjax.sampling import SamplingConfig, make_speculative_fn, pair_eval
 from specjax.sampling import stats as stats_lib
 from specjax.sampling.calibrate import calibrate
@@ -100,8 +101,9 @@ def generated_sums(
 
 
 def _merge_sums(outs):
-    """[{name: (total, per-domain)}] -> {name: (float, np.ndarray)} summed over batches."""
-    outs = jax.device_get(outs)
+    """[{name: (total, per-domain)}] -> {name: (float, np.ndarray)} summed over batches (the
+    same on every process)."""
+    outs = to_host(outs)
     merged = {}
     for o in outs:
         for k, (tot, dom) in o.items():
@@ -144,6 +146,7 @@ class Evaluator:
         self.d = distill_cfg
         self.sampling = sampling
         self.eos_id, self.mesh, self.rules, self.seed = eos_id, mesh, rules, seed
+        self.batch_sharding = batch_sharding
         self.draft_rules = rules if draft_rules is None else draft_rules
         self.temps = tuple(float(t) for t in distill_cfg.eval_temperatures)
         nd = len(self.domains)
@@ -193,7 +196,10 @@ class Evaluator:
             key = jax.random.fold_in(jax.random.key(self.seed + 1), i)
             params = draft_params if role == 'draft' else target_params
             batch = self._generators[role, t](params, host, key)
-            domains = jnp.asarray(batch.pop('domain_ids'))
+            # This process's rows' domains -> the global [B] array beside the batch's.
+            domains = jax.make_array_from_process_local_data(
+                self.batch_sharding, np.asarray(batch.pop('domain_ids'), np.int32)
+            )
             outs.append(self._generated[t](draft_params, target_params, batch, domains))
         sums = _merge_sums(outs)
         name = 'alpha_generated' if role == 'draft' else 'alpha_target_generated'
@@ -226,20 +232,21 @@ class Evaluator:
 
     def speculative(self, draft_params, target_params) -> dict[str, float]:
         """Measured acceptance and τ at k = final_spec_k per temperature (+ predicted speedup),
-        by specjax.sampling.pair_eval, the path spec_eval takes; flat keys for sweep tables."""
+        by specjax.sampling.pair_eval, the path spec_eval takes; flat keys for sweep tables.
+        Each process decodes its own eval rows; every process gets the same figures."""
         k = int(self.d.final_spec_k)
         if not k or not self.eval_batches:
             return {}
         batches = []
         for h in self.eval_batches[: self.d.final_spec_batches]:
             prompts, lengths, _ = prompts_from_batch(h, self.d.prompt_len)
-            batches.append((np.arange(prompts.shape[0]), prompts, lengths))
+            batches.append((None, prompts, lengths))  # host rows: every global row is real
         cal, out = None, {}
         if self.d.calibrate:
             cal = calibrate(
                 merge(self.target_gd, target_params),
                 merge(self.draft_gd, draft_params),
-                batch_size=int(batches[0][1].shape[0]),
+                batch_size=int(batches[0][1].shape[0]),  # this process's rows
                 ks=(k,),
                 context_len=self.d.prompt_len,
                 capacity=self.d.prompt_len + self.d.max_new_tokens + k + 1,
@@ -260,7 +267,11 @@ class Evaluator:
             )
             params, rng = (target_params, draft_params), jax.random.key(self.seed + 2)
             p = pair_eval.point(
-                pair_eval.row_table(pair_eval.decode_batches(fn, params, batches, rng)), k, cal
+                pair_eval.row_table(
+                    pair_eval.decode_batches(fn, params, batches, rng, host_local=True)
+                ),
+                k,
+                cal,
             )
             for name, key in SPECULATIVE_KEYS.items():
                 out[f'{name}_k{k}_{tname(t)}'] = p[key]

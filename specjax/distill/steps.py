@@ -20,6 +20,7 @@ from specjax.distill.divergences import distill_loss, get_divergence
 from specjax.distill.sources import data_masks
 from specjax.models import apply
 from specjax.parallel import replicated
+from specjax.parallel.sharding import on_mesh
 from specjax.train.losses import mean_loss, next_token_loss
 
 STEP_KEYS = ('tokens', 'positions', 'segment_ids', 'loss_mask', 'ce_mask')
@@ -168,7 +169,12 @@ def jit_distill_step(
 ):
     """distill_step jitted once; the draft state is donated, the teacher's params are not."""
     return jax.jit(
-        functools.partial(distill_step, draft_gd, teacher_gd, tx=tx, schedule=schedule, loss=loss),
+        on_mesh(
+            functools.partial(
+                distill_step, draft_gd, teacher_gd, tx=tx, schedule=schedule, loss=loss
+            ),
+            mesh,
+        ),
         in_shardings=(state_shardings, teacher_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated(mesh)),
         donate_argnums=0,
@@ -180,7 +186,12 @@ def jit_cotrain_step(
 ):
     """cotrain_step jitted once with explicit shardings, state donated."""
     return jax.jit(
-        functools.partial(cotrain_step, target_gd, draft_gd, tx=tx, schedule=schedule, loss=loss),
+        on_mesh(
+            functools.partial(
+                cotrain_step, target_gd, draft_gd, tx=tx, schedule=schedule, loss=loss
+            ),
+            mesh,
+        ),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated(mesh)),
         donate_argnums=0,

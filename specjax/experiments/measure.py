@@ -15,6 +15,7 @@ import time
 import jax
 import psutil
 
+from specjax.parallel.distributed import barrier
 from specjax.sampling import common
 
 
@@ -29,15 +30,22 @@ class CompiledSampler:
     def __call__(self, *args):
         return self.compiled(*self.sampler.place(args))
 
+    def host_rows(self, global_rows):
+        return self.sampler.host_rows(global_rows)
+
     def memory(self) -> dict:
         return compiled_memory(self.compiled)
 
 
 def compile_sampler(sampler, params: list, prompts, prompt_lengths, rng) -> CompiledSampler:
-    """Lowers and compiles `sampler` (a ShardedSampler) for these argument shapes."""
+    """Lowers and compiles `sampler` (a ShardedSampler) for these argument shapes (this
+    process's prompt rows), then waits for every process to have compiled it too: CPU (gloo)
+    collectives give up when one process runs a program 30 s before another can."""
     t0 = time.perf_counter()
     compiled = sampler.lower(*params, prompts, prompt_lengths, rng).compile()
-    return CompiledSampler(compiled, sampler, time.perf_counter() - t0)
+    compile_s = time.perf_counter() - t0
+    barrier('compile_sampler')
+    return CompiledSampler(compiled, sampler, compile_s)
 
 
 def compiled_memory(compiled) -> dict:

@@ -30,7 +30,7 @@ from specjax.experiments import measure, report
 from specjax.experiments.pairs import draft_vocab_ids, load_models
 from specjax.experiments.prompts import Prompts, make_prompts
 from specjax.models import split
-from specjax.parallel import is_main_process, make_mesh
+from specjax.parallel import is_main_process, make_mesh, to_host
 from specjax.parallel.mesh import mesh_rules
 from specjax.sampling import (
     Acceptance,
@@ -148,12 +148,13 @@ def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed
     batches = list(prompts.batches(batch_size))
     rng = jax.random.key(seed)
     _, tok0, len0 = batches[0]
-    compiled = measure.compile_sampler(sampler_fn, params, tok0, len0, rng)
+    host = sampler_fn.host_rows  # each process compiles for, and feeds, its own rows
+    compiled = measure.compile_sampler(sampler_fn, params, host(tok0), host(len0), rng)
 
     def run_all():
         return pair_eval.decode_batches(compiled, params, batches, rng)
 
-    outputs = [(rows, jax.device_get(out)) for rows, out in jax.block_until_ready(run_all())]
+    outputs = [(rows, to_host(out)) for rows, out in jax.block_until_ready(run_all())]
     generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs))
     record = {
         'rows': len(prompts),

@@ -59,7 +59,17 @@ class Transformer(nnx.Module):
             )
 
     def _embed(self, tokens_BT):
-        return jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.config.dtype)
+        """The lookup reads the table with its embed dimension whole (under a mesh set by the
+        train steps, see parallel.on_mesh): FSDP's all-gather of a weight before use, whose
+        transpose reduce-scatters the gradient. Without it XLA must move the batch-sharded
+        cotangent [B, T, E] onto the table's embed sharding (batch over data x fsdp -> embed
+        over fsdp), which it can only do by gathering it whole ('involuntary full
+        rematerialization' on a (2, 2, 2) mesh)."""
+        table_VE = self.embed[...]
+        if not jax.sharding.get_abstract_mesh().empty:
+            spec = jax.sharding.PartitionSpec(jax.sharding.PartitionSpec.UNCONSTRAINED, None)
+            table_VE = jax.lax.with_sharding_constraint(table_VE, spec)
+        return jnp.take(table_VE, tokens_BT, axis=0).astype(self.config.dtype)
 
     def _run_blocks(self, x_BTE, positions_BT, mask_BTS, cache=None):
         """All blocks in order -> (x, (per-layer k tuple, per-layer v tuple) or None)."""

@@ -1,6 +1,6 @@
 """Meshes, logical-axis sharding rules and multi-host helpers."""
 
-from specjax.parallel.distributed import initialize_from_env, is_main_process
+from specjax.parallel.distributed import host_rows, initialize_from_env, is_main_process, to_host
 from specjax.parallel.mesh import DEFAULT_RULES, default_mesh_config, make_mesh
 from specjax.parallel.sharding import (
     batch_sharding,
@@ -15,10 +15,12 @@ __all__ = [
     'batch_sharding',
     'check_divisible',
     'default_mesh_config',
+    'host_rows',
     'initialize_from_env',
     'is_main_process',
     'logical_to_spec',
     'make_mesh',
     'param_shardings',
     'replicated',
+    'to_host',
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 ENV_COORDINATOR = 'SPECJAX_COORDINATOR'
 ENV_NUM_PROCESSES = 'SPECJAX_NUM_PROCESSES'
@@ -69,3 +71,31 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
     _barriers[0] += 1
     client = distributed.global_state.client
     client.wait_at_barrier(f'specjax:{name}:{_barriers[0]}', int(timeout_s * 1000))
+
+
+def host_rows(sharding, global_array):
+    """This process's rows of a host-global [B, ...] array (the same on every process), as
+    `sharding`'s devices here hold them: what it passes to make_array_from_process_local_data.
+    With one process, or a batch axis replicated across processes, every row."""
+    x = np.asarray(global_array)
+    index = sharding.addressable_devices_indices_map(x.shape).values()
+    rows = sorted(
+        {(i[0].start or 0, x.shape[0] if i[0].stop is None else i[0].stop) for i in index}
+    )
+    return np.concatenate([x[a:b] for a, b in rows]) if rows else x[:0]
+
+
+def to_host(tree):
+    """Every leaf as a numpy array of its global value, on every process.
+
+    A jax.Array spanning other processes' devices (rows sharded over processes) is gathered
+    (process_allgather: a collective, so every process must call this with the same tree);
+    anything else is fetched as it is (numpy leaves are not concatenated over processes).
+    """
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)

@@ -17,28 +17,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from specjax.parallel.distributed import barrier, initialize_from_env, is_main_process
+from specjax.parallel.distributed import (
+    barrier,
+    host_rows,
+    initialize_from_env,
+    is_main_process,
+    to_host,
+)
 
 V, B, T, PROMPT, NEW, K = 64, 8, 12, 4, 6, 3  # vocab, global batch, seq, prompt, new tokens, k
-
-
-def local_rows(sharding, global_array):
-    """This process's rows of a host-global [B, ...] array, as its devices hold them."""
-    index = sharding.addressable_devices_indices_map(global_array.shape).values()
-    rows = sorted({(i[0].start or 0, i[0].stop or global_array.shape[0]) for i in index})
-    return np.concatenate([global_array[a:b] for a, b in rows]) if rows else global_array[:0]
-
-
-def gather(tree):
-    """Every leaf as a full numpy array on every process (a collective)."""
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
 def _progress(stage: str) -> None:
@@ -89,7 +83,7 @@ def run(workdir: str, mesh_shape) -> dict:
     tokens = rng.integers(1, V, (B, T)).astype(np.int32)
     lm = dict(tokens=tokens, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
     lm['segment_ids'] = np.ones((B, T), np.int32)
-    to_global = lambda x: jax.make_array_from_process_local_data(bs, local_rows(bs, x))
+    to_global = lambda x: jax.make_array_from_process_local_data(bs, host_rows(bs, x))
     out = {}
 
     # Sharded LM train steps.
@@ -114,7 +108,7 @@ def run(workdir: str, mesh_shape) -> dict:
         dplan.shardings, t_sh, bs, mesh,
     )  # fmt: skip
     gen = Generator(teacher_gd, PROMPT, NEW, SamplingConfig(1.0), None, mesh, rules, bs)
-    host = {k: local_rows(bs, v) for k, v in lm.items()}
+    host = {k: host_rows(bs, v) for k, v in lm.items()}
     host['domain_ids'] = np.zeros_like(host['tokens'])
     # The Generator's own (lru-cached) sampler: compiled here, its call hits the persistent cache.
     sampler = make_autoregressive_fn(
@@ -126,7 +120,7 @@ def run(workdir: str, mesh_shape) -> dict:
     dstate = dplan.init()
     dstate, dmetrics = compiled(dstep, dstate, teacher, batch)(dstate, teacher, batch)
     out['distill_loss'] = float(dmetrics['loss'])
-    generated = gather(batch['tokens'])
+    generated = to_host(batch['tokens'])
 
     _progress('# T = 1 speculative sampling')
     # T = 1 speculative sampling on host-local prompts; the draft replicated by draft_rules.
@@ -136,15 +130,20 @@ def run(workdir: str, mesh_shape) -> dict:
         sampling=SamplingConfig(1.0), mesh=mesh, rules=rules, draft_rules=draft_rules,
     )  # fmt: skip
     lengths = np.array([4, 1, 3, 2, 4, 4, 1, 3], np.int32)
-    args = (teacher, draft, local_rows(bs, tokens[:, :PROMPT]), local_rows(bs, lengths), 5)
+    args = (teacher, draft, host_rows(bs, tokens[:, :PROMPT]), host_rows(bs, lengths), 5)
     res = compiled(fn, *args)(*fn.place(args))
-    sampled = gather(res.tokens)
+    sampled = to_host(res.tokens)
     out['spec_accepted'] = int(res.stats['accepted'])
-    out['spec_lengths'] = gather(res.lengths).tolist()
+    out['spec_lengths'] = to_host(res.lengths).tolist()
+
+    _progress('# spec_eval and distillation evaluation')
+    placed_draft = jax.device_put(draft, param_shardings(mesh, draft, draft_rules))
+    pair = (teacher_gd, teacher, dplan.graphdef, placed_draft)
+    out.update(pair_evaluations(*pair, mesh, rules, draft_rules, bs, lm))
 
     _progress('# Orbax save and restore')
     # Orbax save and restore, collectively, of the sharded train state.
-    ckpts = Checkpoints(os.path.join(workdir, 'ckpt'), async_save=False)
+    ckpts = Checkpoints(str(epath.Path(workdir) / 'ckpt'), async_save=False)
     ckpts.save(3, state, data_state={'step': 3}, metadata={'selfcheck': True})
     _progress('ckpts.wait')
     ckpts.wait()
@@ -169,8 +168,8 @@ def run(workdir: str, mesh_shape) -> dict:
     out['restored_step'] = int(data_state['step'])
 
     _progress('params = gather')
-    params = gather(state.params)
-    draft_params = gather(dstate.params)
+    params = to_host(state.params)
+    draft_params = to_host(dstate.params)
     out['process_count'] = jax.process_count()
     out['device_count'] = jax.device_count()
     out['written_by'] = jax.process_index()
@@ -180,8 +179,64 @@ def run(workdir: str, mesh_shape) -> dict:
         flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(params)}
         dflat = jax.tree_util.tree_leaves_with_path(draft_params)
         flat.update({'draft' + jax.tree_util.keystr(p): v for p, v in dflat})
-        np.savez(os.path.join(workdir, 'arrays.npz'), generated=generated, sampled=sampled, **flat)
+        with (epath.Path(workdir) / 'arrays.npz').open('wb') as f:  # gs:// too
+            np.savez(f, generated=generated, sampled=sampled, **flat)
     barrier('selfcheck done')
+    return out
+
+
+def pair_evaluations(target_gd, target, draft_gd, draft, mesh, rules, draft_rules, bs, lm):
+    """spec_eval's per-sampling evaluation (autoregressive and speculative decoding of host-global
+    prompts, a padded last batch, alpha re-scored from the target's samples, the row table) and
+    distillation's Evaluator (held-out loss and alpha, alpha on generated continuations,
+    measured acceptance and tau) on this process's rows; the figures that must not depend on
+    the process count (timings do: a fixed calibration stands in for measured c and v(k))."""
+    import ml_collections
+
+    from specjax.distill.evaluation import Evaluator
+    from specjax.experiments import spec_eval
+    from specjax.experiments.prompts import Prompts
+    from specjax.models import merge
+    from specjax.sampling import SamplingConfig
+    from specjax.sampling import stats as st
+    from specjax.sampling.calibrate import Calibration
+
+    rng = np.random.default_rng(1)
+    n = B + 3  # two batches, the last padded
+    lengths = rng.integers(1, PROMPT + 1, n).astype(np.int32)
+    tokens = rng.integers(1, V, (n, PROMPT)) * (np.arange(PROMPT)[None] < lengths[:, None])
+    domains = np.array(['a', 'b', 'c'])[np.arange(n) % 3]
+    prompts = Prompts(tokens.astype(np.int32), lengths, domains, np.arange(n))
+    ev = ml_collections.ConfigDict(
+        dict(batch_size=B, max_new_tokens=NEW, timing_repeats=1, acceptance='probabilistic')
+    )
+    ev.prompt_len_edges, ev.gen_len_edges = (2,), (4,)
+    cal = Calibration(B, PROMPT, 32, 1.0, 0.25, {K: 1.5})
+    models = (merge(target_gd, target), merge(draft_gd, draft), target_gd, draft_gd)
+    runs, buckets, optimal = spec_eval._evaluate_sampling(
+        (*models, target, draft, None), prompts, SamplingConfig(1.0), (K,), cal, ev, seed=11,
+        eos_id=None, mesh=mesh, rules=rules, draft_rules=draft_rules,
+    )  # fmt: skip
+    ar, spec = runs
+    names = ('acceptance_rate', 'block_efficiency', 'alpha', 'predicted_speedup')
+    out = {'spec_eval': {name: spec[name] for name in (*names, *st.COUNT_FIELDS)}}
+    out['spec_eval'].update(
+        ar_alpha=ar['alpha'], ar_tokens=ar['generated_tokens'], tokens=spec['generated_tokens'],
+        buckets=len(buckets['all']), optimal_k=optimal['predicted_optimal_k'],
+    )  # fmt: skip
+
+    d = ml_collections.ConfigDict(
+        dict(prompt_len=PROMPT, max_new_tokens=NEW, eval_temperatures=(1.0,), eval_ks=(2,))
+    )
+    d.update(dict(eval_generate_batches=1, final_spec_k=K, final_spec_batches=1, calibrate=False))
+    host = {k: host_rows(bs, v) for k, v in lm.items()}
+    host['domain_ids'] = host_rows(bs, np.arange(B * T, dtype=np.int32).reshape(B, T) // T % 2)
+    evaluator = Evaluator(
+        draft_gd, target_gd, eval_batches=[host], domains=('a', 'b'), distill_cfg=d,
+        sampling=SamplingConfig(1.0), eos_id=None, mesh=mesh, rules=rules, batch_sharding=bs,
+        seed=5, draft_rules=draft_rules,
+    )  # fmt: skip
+    out['distill_eval'] = dict(evaluator(draft, target), **evaluator.speculative(draft, target))
     return out
 
 

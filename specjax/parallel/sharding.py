@@ -54,6 +54,17 @@ def batch_sharding(mesh, rules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(('batch',), rules))
 
 
+def on_mesh(fn, mesh):
+    """`fn` traced with `mesh` as the abstract mesh, so model code can pin the layout of an
+    intermediate by a bare PartitionSpec (the Transformer's embedding lookup does)."""
+
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

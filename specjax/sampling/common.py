@@ -17,6 +17,7 @@ from specjax.parallel import (
     batch_sharding,
     check_divisible,
     default_mesh_config,
+    host_rows,
     make_mesh,
     param_shardings,
     replicated,
@@ -164,6 +165,11 @@ class ShardedSampler:
         """args: (*params, prompts, prompt_lengths, rng)."""
         args = self.place(args)  # builds the jit on first use
         return self._jitted(*args)
+
+    def host_rows(self, global_rows):
+        """This process's rows of a host-global [B, ...] array (prompts or lengths that every
+        process holds in full), as this sampler's batch sharding places them."""
+        return host_rows(batch_sharding(self.mesh, self.rules), global_rows)
 
     def lower(self, *args):
         """The jit's Lowered for these arguments (ahead-of-time compile: `.compile()`)."""

@@ -309,6 +309,7 @@ def alpha_of_sequences(
     the set) before alpha is taken.
     """
     from specjax.models import split
+    from specjax.parallel.distributed import to_host
     from specjax.sampling.draft_vocab import check_draft_vocab
 
     t_graphdef, t_params = split(target)
@@ -336,7 +337,7 @@ def alpha_of_sequences(
         jnp.asarray(p_len),
     )
     mask = np.arange(n)[None, :] < g_len[:, None]
-    return np.where(mask, np.asarray(alpha), 0.0), mask
+    return np.where(mask, to_host(alpha), 0.0), mask  # to_host: rows may span processes
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))

@@ -10,6 +10,7 @@ import optax
 
 from specjax.models import apply
 from specjax.parallel import replicated
+from specjax.parallel.sharding import on_mesh
 from specjax.train.losses import domain_sums, mean_loss, next_token_loss
 from specjax.train.state import TrainState
 
@@ -60,7 +61,7 @@ def eval_step(graphdef, params, batch, *, num_domains: int):
 def jit_train_step(graphdef, tx, schedule, state_shardings, batch_shardings, mesh):
     """train_step jitted once: explicit in/out shardings, state donated."""
     return jax.jit(
-        functools.partial(train_step, graphdef, tx=tx, schedule=schedule),
+        on_mesh(functools.partial(train_step, graphdef, tx=tx, schedule=schedule), mesh),
         in_shardings=(state_shardings, batch_shardings),
         out_shardings=(state_shardings, replicated(mesh)),
         donate_argnums=0,
