@@ -37,7 +37,7 @@ _PRESETS = {
         batch=8,
         new_tokens=32,
         ks=(1, 2, 4),
-        prompts_per_domain=2,
+        prompts_per_domain=4,  # 8 prompts: one full batch of 8 (2 left half of it padding)
         serve_batches=(1,),  # (1, 8) doubles the serving stage's compiles
     ),
     'tiny': dict(

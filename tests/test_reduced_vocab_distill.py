@@ -261,3 +261,15 @@ def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
     c.init = 'pretrained'
     with pytest.raises(ValueError, match="config.init must be 'random' or 'target'"):
         rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'd'))
+
+
+def test_report_says_how_the_drafts_started():
+    from specjax.experiments.quickstart_report import section_reduced_vocab
+
+    cache = dict(reduced_vocab_size=N, coverage_train=0.9, train_rows=8, seq_len=T, top_k=K,
+                 teacher_train_seconds=1.0, topk_mass_mean=0.8)  # fmt: skip
+    for init, says in (('target', "the target's first 2 layer(s)"), ('random', 'random init')):
+        draft = dict(init=init, draft_layers=2, num_params_draft=123)
+        text = '\n'.join(section_reduced_vocab({'teacher_cache': cache, 'draft_distilled': draft}))
+        assert says in text and '123 parameters' in text
+    assert 'start from' not in '\n'.join(section_reduced_vocab({'teacher_cache': cache}))

@@ -223,6 +223,8 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
         train_seconds=time.perf_counter() - started,
         tokens_seen=steps * batch * arrays['train_tokens'].shape[1],
         num_params_draft=draft_cfg.num_params,
+        init=init,
+        draft_layers=draft_cfg.n_layers,
         reduced_vocab_size=len(ids),
         loss=dict(cfg.loss),
     )
