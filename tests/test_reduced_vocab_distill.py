@@ -237,3 +237,39 @@ def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=match):
             quickstart.run(_load_config('model=smollm2,size=tiny'), str(tmp_path / 'wd'))
         assert not os.path.exists(tmp_path / 'wd')
+
+
+def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
+    """config.init=target: before training, the draft's logits on in-set contexts are the
+    target's first-layer early exit restricted to the ids; a shape that differs is refused."""
+    from specjax.interop.early_exit import early_exit_draft
+
+    teacher, ids = setup['teacher'], setup['ids']
+    cfg = TransformerConfig(**dict(teacher.config.to_dict(), vocab_size=N))
+    graphdef, params = rt.restricted_early_exit(teacher, ids, cfg)
+    tokens = ids[np.random.default_rng(2).integers(0, N, (2, 6))]
+    table = rv.index_table(ids, V)
+    mine = np.asarray(apply(graphdef, params, table[tokens]))
+    ref = np.asarray(early_exit_draft(teacher, 1)(tokens))[..., ids]
+    np.testing.assert_allclose(mine, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r'config.draft.d_model=8 must equal .* 16'):
+        rt.restricted_early_exit(teacher, ids, TransformerConfig(**dict(cfg.to_dict(), d_model=8)))
+    c, cache = _draft_config(1.0, 0.0, steps=2), _cache(setup, tmp_path)
+    c.init = 'target'
+    with pytest.raises(ValueError, match='needs the target model'):
+        rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'd'))
+    c.init = 'pretrained'
+    with pytest.raises(ValueError, match="config.init must be 'random' or 'target'"):
+        rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'd'))
+
+
+def test_report_says_how_the_drafts_started():
+    from specjax.experiments.quickstart_report import section_reduced_vocab
+
+    cache = dict(reduced_vocab_size=N, coverage_train=0.9, train_rows=8, seq_len=T, top_k=K,
+                 teacher_train_seconds=1.0, topk_mass_mean=0.8)  # fmt: skip
+    for init, says in (('target', "the target's first 2 layer(s)"), ('random', 'random init')):
+        draft = dict(init=init, draft_layers=2, num_params_draft=123)
+        text = '\n'.join(section_reduced_vocab({'teacher_cache': cache, 'draft_distilled': draft}))
+        assert says in text and '123 parameters' in text
+    assert 'start from' not in '\n'.join(section_reduced_vocab({'teacher_cache': cache}))

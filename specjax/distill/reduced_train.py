@@ -128,8 +128,35 @@ def evaluate(eval_fn, params, arrays, table, batch: int) -> dict:
     }
 
 
-def train_draft(cfg, cache_dir: str, tokenizer, workdir: str) -> dict:
-    """Trains and saves the draft; returns results (also <workdir>/results.json's content)."""
+def restricted_early_exit(target, ids_N, draft_cfg: TransformerConfig):
+    """Draft parameters from `target`: its embedding rows ids_N (tied head over the N ids), its
+    first draft_cfg.n_layers blocks and its final norm. ValueError naming the field whose shape
+    differs (the draft's d_model, heads and d_ff must be the target's)."""
+    from specjax.interop.early_exit import early_exit_draft
+
+    t = target.config
+    for field in ('d_model', 'n_heads', 'n_kv_heads', 'd_ff', 'head_dim', 'rope_theta', 'norm_eps'):
+        a, b = getattr(draft_cfg, field), getattr(t, field)
+        if a != b and not (isinstance(a, float) and np.isclose(a, b, rtol=1e-6)):
+            raise ValueError(
+                f"config.draft.{field}={a!r} must equal the target's {b!r} to initialise the "
+                'draft from it (config.init=target)'
+            )
+    if not draft_cfg.tie_embeddings:
+        raise ValueError('config.init=target needs config.draft.tie_embeddings=True')
+    exit_ = early_exit_draft(target, draft_cfg.n_layers)
+    draft = Transformer(draft_cfg, rngs=nnx.Rngs(0))
+    draft.embed[...] = exit_.embed[...][np.asarray(ids_N)]
+    nnx.update(draft.blocks, nnx.state(exit_.blocks))
+    nnx.update(draft.final_norm, nnx.state(exit_.final_norm))
+    return split(draft)
+
+
+def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> dict:
+    """Trains and saves the draft; returns results (also <workdir>/results.json's content).
+
+    cfg.init (default 'random'): 'target' starts the draft from `target`'s embedding rows of the
+    N ids, first layers and final norm (`restricted_early_exit`), both drafts alike."""
     from specjax.interop.workdir import write_workdir
 
     vocab, arrays = load_cache(cache_dir)
@@ -141,7 +168,15 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str) -> dict:
         )
     table = rv.index_table(ids, vocab['target_vocab_size'])
     draft_cfg = TransformerConfig.from_dict(cfg.draft)
-    graphdef, params = split(Transformer(draft_cfg, rngs=nnx.Rngs(int(cfg.seed))))
+    init = cfg.get('init', 'random')
+    if init == 'target':
+        if target is None:
+            raise ValueError('config.init=target needs the target model (train_draft target=)')
+        graphdef, params = restricted_early_exit(target, ids, draft_cfg)
+    elif init == 'random':
+        graphdef, params = split(Transformer(draft_cfg, rngs=nnx.Rngs(int(cfg.seed))))
+    else:
+        raise ValueError(f"config.init must be 'random' or 'target', got {init!r}")
     t = cfg.train
     steps, batch = int(t.steps), int(t.batch_size)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -188,6 +223,8 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str) -> dict:
         train_seconds=time.perf_counter() - started,
         tokens_seen=steps * batch * arrays['train_tokens'].shape[1],
         num_params_draft=draft_cfg.num_params,
+        init=init,
+        draft_layers=draft_cfg.n_layers,
         reduced_vocab_size=len(ids),
         loss=dict(cfg.loss),
     )

@@ -692,6 +692,20 @@ def section_break_even_alpha(d: dict) -> list[str]:
     ]
 
 
+def _draft_init(d: dict) -> str:
+    """' Both drafts start from ...' as the draft stages recorded it ('' before they did)."""
+    dd = d.get('draft_distilled', {})
+    if dd.get('init') == 'target':
+        return (
+            f" Both drafts ({dd['num_params_draft']} parameters) start from the target's first "
+            f'{dd["draft_layers"]} layer(s), its embedding rows of the N ids (tied head) and its '
+            'final norm, then train on the cache alike.'
+        )
+    if dd.get('init') == 'random':
+        return f' Both drafts ({dd["num_params_draft"]} parameters) start from one random init.'
+    return ''
+
+
 def section_reduced_vocab(d: dict) -> list[str]:
     """The SmolLM2 preset's reduced vocabulary and teacher cache (absent elsewhere)."""
     if 'teacher_cache' not in d:
@@ -707,7 +721,7 @@ def section_reduced_vocab(d: dict) -> list[str]:
         f'per position ({fmt(c["topk_mass_mean"])} of its probability mass on average); KD '
         'renormalises over those K, CE skips targets outside the set, and alpha is measured '
         "against the target's full distribution (the draft has q = 0 off the set). Validation "
-        'losses are over positions whose next token is in the set.',
+        'losses are over positions whose next token is in the set.' + _draft_init(d),
         '',
         COTRAIN_SKIPPED,
         '',

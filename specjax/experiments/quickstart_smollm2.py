@@ -127,12 +127,14 @@ def run_draft(cfg, wd, root):
     import json
 
     from specjax import data as data_lib
+    from specjax.checkpoint import load_model
     from specjax.distill import reduced_train as rt
 
     cfg = _with_tokenizer(cfg, root)
     tok = data_lib.build_tokenizer(cfg.data)
     cache_dir = os.path.join(root, 'teacher_cache')
-    results = rt.train_draft(cfg, cache_dir, tok, wd)
+    target = load_model(_tokenizer_dir(root))[0] if cfg.get('init') == 'target' else None
+    results = rt.train_draft(cfg, cache_dir, tok, wd, target=target)
     with open(os.path.join(cache_dir, 'cache.json')) as f:
         cache = json.load(f)
     results['target_val_loss'] = cache['target_val_loss']

@@ -31,6 +31,7 @@ from specjax.models import split
 from specjax.parallel import make_mesh
 from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
 from specjax.sampling.calibrate import interleaved_times
+from specjax.sampling.draft_vocab import DraftVocab
 
 METHODS = ('target', 'draft_distilled', 'spec_ce', 'spec_distilled')
 SAMPLED = ('target', 'draft_distilled', 'draft_ce', 'spec_distilled')  # shown side by side
@@ -44,6 +45,26 @@ def chosen_k(config, root: str) -> int:
         optimal = json.load(f)['optimal_k']
     label = 'T=0' if 'T=0' in optimal else next(iter(optimal))
     return int(optimal[label]['best_measured_k'])
+
+
+def _alone_vocab(ids, target_vocab: int) -> DraftVocab:
+    """A model served alone: ids None = it reads and writes target ids; else a reduced draft."""
+    if ids is None:
+        return DraftVocab(target_vocab)
+    return DraftVocab(target_vocab, tuple(int(i) for i in ids), remap_inputs=True)
+
+
+def alone_inputs(ids, target_vocab: int, tokens) -> np.ndarray:
+    """Prompt target ids [B, P] -> the served model's input ids (a reduced draft's indices; off
+    the set: index 0, as in speculative decoding and in its training)."""
+    return np.asarray(_alone_vocab(ids, target_vocab).to_draft(np.asarray(tokens, np.int32)))
+
+
+def alone_tokens(ids, tokens) -> np.ndarray:
+    """The served model's output [B, N] -> target ids (a reduced draft's index i is ids[i])."""
+    if ids is None:
+        return np.asarray(tokens)
+    return np.asarray(ids)[np.asarray(tokens)]
 
 
 def _param_bytes(params) -> int:
@@ -62,19 +83,13 @@ def run(config, workdir: str, root: str) -> dict:
     # Reduced-vocabulary drafts (draft_vocab.json): ids maps draft index -> target id.
     vocab = {name: draft_vocab_ids(os.path.join(root, name)) for name in models}
 
+    target_vocab = models['target'].config.vocab_size
+
     def as_target(method, tokens):
-        """A draft-alone run's tokens (draft indices when reduced) as target ids."""
-        ids = vocab.get(method)
-        return np.asarray(tokens) if ids is None else np.asarray(ids)[np.asarray(tokens)]
+        return alone_tokens(vocab.get(method), tokens)
 
     def inputs_for(method, tokens):
-        """Prompt ids for `method`'s first model (a reduced draft alone reads draft indices)."""
-        ids = vocab.get(method)
-        if ids is None:
-            return tokens
-        table = np.zeros((models['target'].config.vocab_size,), np.int32)
-        table[ids] = np.arange(len(ids), dtype=np.int32)
-        return table[tokens]
+        return alone_inputs(vocab.get(method), target_vocab, tokens)
 
     ev = config.eval
     batch_sizes = tuple(int(b) for b in config.batch_sizes)
