@@ -228,7 +228,16 @@ def _evaluate_sampling(
     target, draft, t_graphdef, d_graphdef, t_params, d_params, ids = models
     label = report.sampling_label(sampling)
     batch, max_new = int(ev.batch_size), int(ev.max_new_tokens)
-    common = dict(max_new_tokens=max_new, sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+    # dynamic_sampling: every sampling setting shares one compiled program per k (and one
+    # autoregressive program): compiles are most of this mode's time.
+    common = dict(
+        max_new_tokens=max_new,
+        sampling=sampling,
+        eos_id=eos_id,
+        mesh=mesh,
+        rules=rules,
+        dynamic_sampling=True,
+    )
     run_alls, outputs, records = {}, {}, {}
     ar_fn = make_autoregressive_fn(t_graphdef, **common)
     if ids is not None:  # a reduced-vocabulary draft (its workdir's draft_vocab.json)
