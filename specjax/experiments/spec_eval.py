@@ -229,7 +229,17 @@ def _evaluate_sampling(
     target, draft, t_graphdef, d_graphdef, t_params, d_params, ids = models
     label = report.sampling_label(sampling)
     batch, max_new = int(ev.batch_size), int(ev.max_new_tokens)
-    common = dict(max_new_tokens=max_new, sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+    # Compiles are most of this mode's time: every setting with temperature > 0 (top-p or not)
+    # shares one program per k and one autoregressive program (dynamic_sampling). Greedy keeps
+    # its own lean programs: deciding greediness at run time costs ~10% per greedy token here.
+    common = dict(
+        max_new_tokens=max_new,
+        sampling=sampling,
+        eos_id=eos_id,
+        mesh=mesh,
+        rules=rules,
+        dynamic_sampling=not sampling.greedy,
+    )
     run_alls, outputs, records = {}, {}, {}
     ar_fn = make_autoregressive_fn(t_graphdef, **common)
     if ids is not None:  # a reduced-vocabulary draft (its workdir's draft_vocab.json)

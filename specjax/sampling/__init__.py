@@ -6,6 +6,7 @@ from specjax.sampling.common import PAD_ID, SampleOutput, check_same_tokenizer
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
 from specjax.sampling.transforms import (
     SamplingConfig,
+    TracedSampling,
     inverse_cdf,
     sample_from_probs,
     transform_logits,
@@ -22,6 +23,7 @@ __all__ = [
     'PAD_ID',
     'SampleOutput',
     'SamplingConfig',
+    'TracedSampling',
     'autoregressive_sample',
     'chain',
     'check_tree',

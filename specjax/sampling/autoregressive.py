@@ -13,7 +13,13 @@ import jax.numpy as jnp
 
 from specjax.models import apply_cached, init_cache, split
 from specjax.sampling import common
-from specjax.sampling.transforms import SamplingConfig, sample_from_probs, transform_logits
+from specjax.sampling.transforms import (
+    SamplingConfig,
+    branch,
+    is_greedy,
+    sample_from_probs,
+    transform_logits,
+)
 
 
 def autoregressive_sample(
@@ -46,33 +52,43 @@ def autoregressive_sample(
 
 
 def make_autoregressive_fn(
-    graphdef, *, max_new_tokens: int, sampling: SamplingConfig, eos_id=None, mesh=None, rules=None
+    graphdef,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos_id=None,
+    mesh=None,
+    rules=None,
+    dynamic_sampling: bool = False,
 ):
-    """fn(params, prompts, prompt_lengths, rng) -> SampleOutput; cached like make_speculative_fn."""
+    """fn(params, prompts, prompt_lengths, rng) -> SampleOutput; cached, and sharing compiled
+    programs between settings, like make_speculative_fn (`dynamic_sampling` included)."""
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
     eos_id = common.check_eos(eos_id, common.config_of(graphdef).vocab_size)
     mesh = common.default_mesh() if mesh is None else mesh
-    return _cached_fn(graphdef, max_new, sampling, eos_id, mesh, common.normalize_rules(rules))
+    program = _cached_fn(graphdef, max_new, eos_id, mesh, common.normalize_rules(rules))
+    return program.with_sampling(sampling, dynamic_sampling)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(graphdef, max_new, sampling, eos_id, mesh, rules):
+def _cached_fn(graphdef, max_new, eos_id, mesh, rules):
     def check(width):
         common.check_fits(
             common.config_of(graphdef), width, max_new, 1, 'autoregressive_sample model'
         )
 
     core = functools.partial(
-        _autoregressive_core, graphdef, max_new=max_new, sampling=sampling, eos_id=eos_id,
-        layout=(mesh, rules),
-    )  # fmt: skip
-    return common.ShardedSampler(core, mesh, rules, check, (('model', graphdef, rules, 'rules'),))
+        _autoregressive_core, graphdef, max_new=max_new, eos_id=eos_id, layout=(mesh, rules)
+    )
+    models = (('model', graphdef, rules, 'rules'),)
+    return common.ShardedSampler(core, mesh, rules, check, models, takes_values=True)
 
 
 def _autoregressive_core(
-    graphdef, params, prompts, prompt_lengths, rng, *, max_new, sampling, eos_id, layout
+    graphdef, params, prompts, prompt_lengths, rng, sampling, *, max_new, eos_id, layout
 ):
+    """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
     batch, width = prompts.shape
     cache = init_cache(common.config_of(graphdef), batch, width + max_new + 1)
     (cache,) = common.shard_caches(layout[0], ((cache, layout[1]),))
@@ -91,11 +107,12 @@ def _autoregressive_core(
         active = ~state['done']
         act = active.astype(jnp.int32)
         logits, cache = apply_cached(graphdef, params, state['last'][:, None], act, state['cache'])
-        if sampling.greedy:  # argmax of the logits: transform_logits' one-hot, without it
-            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        else:
-            probs = transform_logits(logits[:, 0], sampling)
-            token = sample_from_probs(jax.random.fold_in(rng, state['step']), probs)
+        # Greedy: argmax of the logits, transform_logits' one-hot without building it.
+        argmax = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)
+        sample = lambda lg: sample_from_probs(
+            jax.random.fold_in(rng, state['step']), transform_logits(lg, sampling)
+        )
+        token = branch(is_greedy(sampling), argmax, sample, logits[:, 0])
         emitted = state['emitted'] + act
         finished = emitted >= max_new
         if eos_id is not None:

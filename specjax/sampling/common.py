@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import numbers
 
@@ -144,7 +145,7 @@ def default_mesh():
 
 
 class ShardedSampler:
-    """jax.jit of core(*params, prompts, lengths, rng) -> SampleOutput on a mesh.
+    """jax.jit of core(*params, prompts, lengths, rng[, values]) -> SampleOutput on a mesh.
 
     `models` gives, per params argument, (who, graphdef, rules, rules field): each model's
     parameters are sharded by its own rules (a draft may be replicated while the target is
@@ -154,12 +155,36 @@ class ShardedSampler:
     each passes its own rows and the global batch is their concatenation in process order.
     One compile per prompt shape; every check (`check(width)`, batch and head divisibility,
     missing rules) runs on the host before any compile.
+
+    With `takes_values`, core takes one more argument, a replicated pytree bound by
+    `with_values` (the traced sampling values): the samplers `with_values` returns share this
+    one's jit, so they compile once between them (per shape and values structure).
     """
 
-    def __init__(self, core, mesh, rules, check, models=None):
+    def __init__(self, core, mesh, rules, check, models=None, takes_values=False):
         self.core, self.mesh, self.rules, self.check = core, mesh, rules, check
-        self.models = models
-        self._jitted, self._shardings = None, None
+        self.models, self.takes_values, self.values = models, takes_values, None
+        self._program = {'jitted': None, 'shardings': None}  # shared with with_values' copies
+
+    def with_values(self, values) -> ShardedSampler:
+        """A sampler sharing this one's jit (and compiled programs) that passes `values`."""
+        if not self.takes_values:
+            raise ValueError('with_values: this sampler takes no values argument')
+        bound = copy.copy(self)
+        bound.values = values
+        return bound
+
+    def with_sampling(self, sampling: SamplingConfig, dynamic: bool = False) -> ShardedSampler:
+        """with_values(sampling.traced(dynamic)), the same object for the same arguments."""
+        return _with_sampling(self, sampling, bool(dynamic))
+
+    @property
+    def _jitted(self):
+        return self._program['jitted']
+
+    @property
+    def _shardings(self):
+        return self._program['shardings']
 
     def __call__(self, *args) -> SampleOutput:
         """args: (*params, prompts, prompt_lengths, rng)."""
@@ -197,20 +222,31 @@ class ShardedSampler:
         self.check(prompts.shape[1])
         check_batch(prompts.shape[0], self.mesh, self.rules)
         self._build(params)
-        return self._jitted.lower(*args)
+        return self._jitted.lower(*args, *self._values())
+
+    def _values(self) -> tuple:
+        if not self.takes_values:
+            return ()
+        if self.values is None:
+            raise ValueError('this sampler takes values: call it through with_values(...)')
+        return (self.values,)
 
     def _build(self, params):
         """Builds the jit with explicit in_shardings on first use; returns the batch sharding."""
         batch_spec = batch_sharding(self.mesh, self.rules)
         if self._jitted is None:
             rep = replicated(self.mesh)
-            self._shardings = (*self.param_shardings(params), batch_spec, batch_spec, rep)
+            shardings = (*self.param_shardings(params), batch_spec, batch_spec, rep)
+            shardings += (rep,) * self.takes_values
             pinned = functools.partial(_pinned_output, self.core, batch_spec, rep)
-            self._jitted = jax.jit(pinned, in_shardings=self._shardings)
+            self._program.update(
+                shardings=shardings, jitted=jax.jit(pinned, in_shardings=shardings)
+            )
         return batch_spec
 
     def place(self, args):
-        """Checks (*params, prompts, lengths, rng), builds the jit on first use, places them."""
+        """Checks (*params, prompts, lengths, rng), builds the jit on first use, places them (and
+        the bound values)."""
         *params, prompts, prompt_lengths, rng = args
         local_batch, width = check_prompts(prompts, prompt_lengths)
         self.check(width)
@@ -221,7 +257,22 @@ class ShardedSampler:
             jax.make_array_from_process_local_data(batch_spec, np.asarray(x, np.int32))
             for x in (prompts, prompt_lengths)
         ]
-        return (*placed, *rows, place_key(as_key(rng), self._shardings[-1]))
+        rep = self._shardings[len(params) + 2]
+        values = [place_replicated(v, rep) for v in self._values()]
+        return (*placed, *rows, place_key(as_key(rng), rep), *values)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_sampling(program: ShardedSampler, sampling: SamplingConfig, dynamic: bool):
+    return program.with_values(sampling.traced(dynamic))
+
+
+def place_replicated(tree, sharding):
+    """A pytree of host values (the same on every process) placed on a replicated sharding."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    place = lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
+    return jax.tree.map(place, tree)
 
 
 def place_key(key, sharding):

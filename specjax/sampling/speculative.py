@@ -24,7 +24,13 @@ from specjax.models import KVCache, apply_cached, init_cache, split
 from specjax.sampling import common
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
-from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
+from specjax.sampling.transforms import (
+    SamplingConfig,
+    branch,
+    inverse_cdf,
+    is_greedy,
+    transform_logits,
+)
 from specjax.sampling.verify import verify, verify_greedy
 
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
@@ -118,12 +124,19 @@ def make_speculative_fn(
     acceptance='probabilistic',
     draft_vocab_ids=None,
     draft_rules=None,
+    dynamic_sampling: bool = False,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
 
     Cached on its arguments: the same static settings return the same jitted function, which
-    compiles once per prompt shape. Arguments are checked here and in fn before any compile.
+    compiles once per prompt shape. `sampling`'s temperature and top_p are arguments of that
+    function, not part of its key (`SamplingConfig.traced`): settings of the same structure
+    (top_k, greedy or not, top-p filtering or not) share one compiled program, and with
+    `dynamic_sampling` every setting at one top_k does (greediness and top-p are then lax.conds:
+    free for sampled settings, but greedy rounds carry the sampled path's unused [B, k, V] q and
+    ran ~10% slower at k = 4 on the quickstart's CPU pair, so timed greedy runs keep it off).
+    Arguments are checked here and in fn before any compile.
     """
     k = common.check_positive_int('num_draft_tokens', num_draft_tokens)
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
@@ -137,12 +150,11 @@ def make_speculative_fn(
         raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
     mesh = common.default_mesh() if mesh is None else mesh
     rules = common.normalize_rules(rules)
-    return _cached_fn(
+    program = _cached_fn(
         target_graphdef,
         draft_graphdef,
         k,
         max_new,
-        sampling,
         eos_id,
         mesh,
         rules,
@@ -151,12 +163,12 @@ def make_speculative_fn(
         vocab,
         _bug,
     )
+    return program.with_sampling(sampling, dynamic_sampling)
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
-    target_graphdef, draft_graphdef, k, max_new, sampling, eos_id, mesh, rules, draft_rules, acc,
-    vocab, bug,
+    target_graphdef, draft_graphdef, k, max_new, eos_id, mesh, rules, draft_rules, acc, vocab, bug
 ):  # fmt: skip
     def check(width):
         for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
@@ -169,7 +181,6 @@ def _cached_fn(
         draft_graphdef,
         k=k,
         max_new=max_new,
-        sampling=sampling,
         eos_id=eos_id,
         acc=acc,
         vocab=vocab,
@@ -180,13 +191,14 @@ def _cached_fn(
         ('target', target_graphdef, rules, 'rules'),
         ('draft', draft_graphdef, draft_rules, 'draft_rules'),
     )
-    return common.ShardedSampler(core, mesh, rules, check, models)
+    return common.ShardedSampler(core, mesh, rules, check, models, takes_values=True)
 
 
 def _speculative_core(
-    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, k, max_new, sampling, eos_id,
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, sampling, *, k, max_new, eos_id,
     acc, vocab, bug, layout,
 ):  # fmt: skip
+    """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
     batch, width = prompts.shape
     capacity = width + max_new + k + 1
     rows = jnp.arange(batch)
@@ -230,7 +242,8 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
     k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
     q_2..q_k; x_k is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax
     and the returned q_i is its one-hot. x and q are in the target's vocabulary.
-    Greedy: x_i is the argmax and q a [B, k, 1] placeholder (greedy verification ignores it).
+    Greedy: x_i is the argmax and q zeros (greedy verification ignores it; a [B, k, 1]
+    placeholder when greediness is static).
     """
     act = active.astype(jnp.int32)
     logits, dcache = common.draft_catch_up(
@@ -238,11 +251,14 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
         vocab.to_draft,
     )  # fmt: skip
 
-    def draw(uniform_B, logits):
-        logits = vocab.restrict(logits)
-        if sampling.greedy:  # the argmax, as inverse_cdf of the one-hot would draw; q is unused
-            x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return vocab.token(x), jnp.zeros((x.shape[0], 1), jnp.float32)
+    greedy = is_greedy(sampling)
+    q_width = 1 if greedy is True else vocab.target_vocab  # static greedy: a placeholder q
+
+    def argmax(uniform_B, logits):  # as inverse_cdf of the one-hot would draw; q is unused
+        x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return vocab.token(x), jnp.zeros((x.shape[0], q_width), jnp.float32)
+
+    def sample(uniform_B, logits):
         q = transform_logits(logits, sampling)
         if acc.rule == 'argmax_draft':
             x = jnp.argmax(q, axis=-1).astype(jnp.int32)
@@ -254,6 +270,9 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
         else:
             x = inverse_cdf(q, uniform_B)
         return vocab.token(x), vocab.expand(q)
+
+    def draw(uniform_B, logits):
+        return branch(greedy, argmax, sample, uniform_B, vocab.restrict(logits))
 
     def step(carry, uniform_B):
         logits, cache = carry
@@ -285,13 +304,12 @@ def _round(
     tcache = state.tcache
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
     logits, tcache = apply_cached(tgd, tparams, tokens, jnp.zeros_like(act), tcache)
-    if sampling.greedy:  # argmax of the logits = argmax of transform_logits' one-hot
-        num_acc, next_token = verify_greedy(logits, x_BK)
-    elif bug is None:
+    greedy = is_greedy(sampling)
+
+    def test(logits):  # the acceptance rule on the transformed p and q
         p_BKV = transform_logits(logits, sampling)
-        num_acc, next_token = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
-    else:
-        p_BKV = transform_logits(logits, sampling)
+        if bug is None:
+            return verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
         extra = {}
         if bug == 'residual_untransformed':
             extra['residual_p_BKV'] = jax.nn.softmax(logits / sampling.temperature, axis=-1)
@@ -300,7 +318,10 @@ def _round(
             extra['bonus_BV'] = vocab.expand(
                 transform_logits(vocab.restrict(q_logits[:, 0]), sampling)
             )
-        num_acc, next_token = verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
+        return verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
+
+    # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
+    num_acc, next_token = branch(greedy, lambda lg: verify_greedy(lg, x_BK), test, logits)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
     count, hit_eos, emitted, out = common.emit_round(

@@ -151,9 +151,10 @@ def optimal_k(alpha: float, c: float, v: Mapping[int, float]) -> int:
 def alpha_per_position(target_logits, draft_logits, sampling):
     """Per-position alpha [...]: sum_v min(p_v, q_v) of the transformed float32 distributions.
 
-    Logits [..., V]. At temperature 0 it is argmax agreement (1.0 or 0.0).
+    Logits [..., V]. At temperature 0 it is argmax agreement (1.0 or 0.0). `sampling`: a
+    SamplingConfig or its traced form (`SamplingConfig.traced`: one compile for every setting).
     """
-    from specjax.sampling.transforms import transform_logits
+    from specjax.sampling.transforms import branch, is_greedy, transform_logits
 
     if target_logits.shape != draft_logits.shape:
         raise ValueError(
@@ -162,11 +163,11 @@ def alpha_per_position(target_logits, draft_logits, sampling):
         )
     t32 = jnp.asarray(target_logits, jnp.float32)
     d32 = jnp.asarray(draft_logits, jnp.float32)
-    if float(sampling.temperature) == 0.0:
-        return (jnp.argmax(t32, -1) == jnp.argmax(d32, -1)).astype(jnp.float32)
-    p = transform_logits(t32, sampling)
-    q = transform_logits(d32, sampling)
-    return jnp.sum(jnp.minimum(p, q), axis=-1)
+    agree = lambda t, d: (jnp.argmax(t, -1) == jnp.argmax(d, -1)).astype(jnp.float32)
+    overlap = lambda t, d: jnp.sum(
+        jnp.minimum(transform_logits(t, sampling), transform_logits(d, sampling)), axis=-1
+    )
+    return branch(is_greedy(sampling), agree, overlap, t32, d32)
 
 
 def alpha_from_logits(target_logits, draft_logits, sampling, mask=None):
@@ -328,21 +329,21 @@ def alpha_of_sequences(
     alpha = _alpha_of_sequences(
         t_graphdef,
         d_graphdef,
-        sampling,
         n,
         vocab,
         t_params,
         d_params,
         jnp.asarray(seq),
         jnp.asarray(p_len),
+        sampling.traced(dynamic=True),  # one compile for every setting
     )
     mask = np.arange(n)[None, :] < g_len[:, None]
     return np.where(mask, to_host(alpha), 0.0), mask  # to_host: rows may span processes
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _alpha_of_sequences(
-    t_graphdef, d_graphdef, sampling, n, vocab, t_params, d_params, seq_BL, p_len_B
+    t_graphdef, d_graphdef, n, vocab, t_params, d_params, seq_BL, p_len_B, sampling
 ):
     """[B, n] alpha at the positions predicting generated tokens 0..n-1."""
     from specjax.models import apply

@@ -3,6 +3,16 @@
 The transform defines *the* distribution a model samples from: speculative sampling uses it for
 both the target p and the draft q, so the ratio p/q, the residual and the bonus token all see
 exactly the distributions tokens are drawn from.
+
+A SamplingConfig is static (a jit cache key: one compile per setting). Its `traced()` form,
+`TracedSampling`, carries temperature and top_p as float32 arrays (jit arguments): one compiled
+sampler serves every temperature > 0 (and every top_p < 1). Only the structure stays static:
+top_k (it fixes a shape), whether the setting is greedy and whether top-p filters at all. With
+`traced(dynamic=True)` those two are decided at run time as well, so every temperature (0
+included) and top_p at one top_k share one program (a sweep over settings compiles once).
+Code that branches on the setting goes through `is_greedy` / `filters_top_p` and `branch`: a
+Python `if` when the answer is static, `lax.cond` (only the taken side runs) when it is traced,
+the same operations on either side, so every form gives the same tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +65,60 @@ class SamplingConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def traced(self, dynamic: bool = False) -> TracedSampling:
+        """This setting as jit arguments: temperature and top_p traced, the structure static
+        (top_k; greedy or not, top-p filtering or not) or, with `dynamic`, only top_k."""
+        greedy = None if dynamic else self.greedy
+        nucleus = None if dynamic or greedy else self.top_p < 1.0
+        top_k = 0 if greedy else self.top_k  # greedy ignores top_k: one program for all
+        t, p = np.float32(self.temperature), np.float32(self.top_p)
+        return TracedSampling(t, p, top_k=top_k, greedy=greedy, nucleus=nucleus)
+
+
+@struct.dataclass
+class TracedSampling:
+    """A SamplingConfig as jit arguments: temperature and top_p float32 scalar arrays; static
+    (pytree structure, so part of the jit key): top_k (it fixes lax.top_k's shape), greedy and
+    nucleus (top-p filters) as bools, or None where they are decided at run time."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: int = struct.field(pytree_node=False, default=0)
+    greedy: bool | None = struct.field(pytree_node=False, default=None)
+    nucleus: bool | None = struct.field(pytree_node=False, default=None)
+
+
+def is_greedy(sampling):
+    """temperature == 0: a Python bool when static, a traced bool when decided at run time."""
+    if isinstance(sampling, SamplingConfig):
+        return sampling.greedy
+    if sampling.greedy is not None:
+        return sampling.greedy
+    return sampling.temperature == 0
+
+
+def filters_top_p(sampling):
+    """top_p < 1 (top-p keeps fewer than all tokens), static or traced like `is_greedy`."""
+    if isinstance(sampling, SamplingConfig):
+        return sampling.top_p < 1.0
+    if sampling.nucleus is not None:
+        return sampling.nucleus
+    return sampling.top_p < 1.0
+
+
+def branch(pred, true_fn, false_fn, *operands):
+    """true_fn(*operands) if pred else false_fn(*operands): decided in Python when pred is a
+    Python bool (a SamplingConfig's), by lax.cond when it is traced (only one side runs)."""
+    if isinstance(pred, bool | np.bool_):
+        return (true_fn if pred else false_fn)(*operands)
+    return jax.lax.cond(pred, true_fn, false_fn, *operands)
+
 
 def _mask(logits, keep):
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def transform_logits(logits, sampling: SamplingConfig):
+def transform_logits(logits, sampling: SamplingConfig | TracedSampling):
     """Float32 probabilities [..., V] of the distribution `sampling` draws from `logits` [..., V].
 
     Greedy: one-hot of the argmax (lowest index on ties). Otherwise logits / temperature, keep the
@@ -66,19 +126,29 @@ def transform_logits(logits, sampling: SamplingConfig):
     top_p (the crossing token kept), renormalise. Ties at a top-k/top-p boundary are all kept.
     """
     logits = jnp.asarray(logits, jnp.float32)
+    return branch(is_greedy(sampling), one_hot_argmax, lambda x: tempered(x, sampling), logits)
+
+
+def one_hot_argmax(logits):
+    """The greedy distribution: float32 one-hot [..., V] of the argmax (lowest index on ties)."""
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+
+def tempered(logits, sampling: SamplingConfig | TracedSampling):
+    """transform_logits at a temperature > 0: temperature, then top-k, then top-p."""
+    logits = jnp.asarray(logits, jnp.float32) / jnp.float32(sampling.temperature)
     vocab = logits.shape[-1]
-    if sampling.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-    logits = logits / jnp.float32(sampling.temperature)
     top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = _mask(logits, logits >= kth)
     probs = jax.nn.softmax(logits, axis=-1)
-    if sampling.top_p < 1.0:
+
+    def nucleus(probs):
         threshold = top_p_threshold(probs, sampling.top_p)
-        probs = jax.nn.softmax(_mask(logits, probs >= threshold[..., None]), axis=-1)
-    return probs
+        return jax.nn.softmax(_mask(logits, probs >= threshold[..., None]), axis=-1)
+
+    return branch(filters_top_p(sampling), nucleus, lambda probs: probs, probs)
 
 
 def top_p_threshold(probs, top_p: float):

@@ -1,0 +1,118 @@
+"""Traced sampling values: settings share compiled programs and give the static path's tokens.
+
+The reference is each sampler's own core jitted with the SamplingConfig static (Python branches,
+the temperature a constant): the traced forms must reproduce its tokens, lengths and statistics
+bit for bit under the same key, while compiling once for several settings. The negative control
+(different temperatures, same key, different tokens) shows the values reach the shared program.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from sampling_models import GREEDY_PROMPTS, greedy_models, ragged_prompts
+
+from specjax.models import split
+from specjax.sampling import (
+    SamplingConfig,
+    make_autoregressive_fn,
+    make_speculative_fn,
+    transform_logits,
+)
+from specjax.sampling import stats as st
+
+T0, T07, T1 = SamplingConfig(0.0), SamplingConfig(0.7), SamplingConfig(1.0)
+TOP_P = SamplingConfig(1.0, top_p=0.8)
+TOP_K = SamplingConfig(0.7, top_k=3)
+MAX_NEW, BATCH, K = 8, 6, 2
+
+
+def _static(fn, sampling):
+    """fn's core with `sampling` static: what the samplers compiled before values were traced."""
+    jitted = jax.jit(lambda *args: fn.core(*args, sampling))
+    return lambda *args: jitted(*fn.place(args)[:-1])  # placed args without the traced values
+
+
+def _equal(a, b):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    assert set(a.stats) == set(b.stats)
+    for name in a.stats:
+        np.testing.assert_array_equal(a.stats[name], b.stats[name], err_msg=name)
+
+
+@pytest.fixture(scope='module')
+def pair():
+    target, draft = greedy_models()
+    prompts, lengths = ragged_prompts(GREEDY_PROMPTS, BATCH)
+    return split(target), split(draft), prompts, lengths
+
+
+def test_transform_equals_static_bit_for_bit():
+    logits = 3.0 * jax.random.normal(jax.random.key(1), (4, 3, 33))
+    static = jax.jit(transform_logits, static_argnums=1)
+    traced = jax.jit(lambda x, s: transform_logits(x, s))  # its own cache (jit shares per fn)
+    for sampling in (T0, T07, T1, TOP_P, TOP_K):
+        want = static(logits, sampling)
+        for dynamic in (False, True):
+            got = traced(logits, sampling.traced(dynamic))
+            np.testing.assert_array_equal(got, want, err_msg=f'{sampling} dynamic={dynamic}')
+    assert traced._cache_size() == 4 + 2  # T0, T > 0, TOP_P, TOP_K; dynamic: top_k 0 and 3
+
+
+def test_speculative_settings_share_one_program_and_match_static(pair):
+    (tgd, tp), (dgd, dp), prompts, lengths = pair
+    make = lambda s, dynamic=False: make_speculative_fn(
+        tgd, dgd, num_draft_tokens=K, max_new_tokens=MAX_NEW, sampling=s, dynamic_sampling=dynamic
+    )
+    args = (tp, dp, prompts, lengths, 3)
+    # Same structure (T > 0, no top-p): one jit, one compile, the static path's outputs.
+    out07, out1 = make(T07)(*args), make(T1)(*args)
+    assert make(T07)._jitted is make(T1)._jitted and make(T1)._jitted._cache_size() == 1
+    _equal(out07, _static(make(T07), T07)(*args))
+    assert not np.array_equal(out07.tokens, out1.tokens)  # the values reach the program
+    # dynamic_sampling: greedy and top-p join one more program of the same jit.
+    outs = {s: make(s, True)(*args) for s in (T0, T07, TOP_P)}
+    assert make(T0, True)._jitted._cache_size() == 2
+    _equal(outs[T0], _static(make(T0), T0)(*args))  # greedy under lax.cond
+    _equal(outs[T07], out07)
+    assert not np.array_equal(outs[TOP_P].tokens, out1.tokens)
+
+
+def test_autoregressive_dynamic_sampling_shares_one_program_and_matches_static(pair):
+    (tgd, tp), _, prompts, lengths = pair
+    make = lambda s, dynamic: make_autoregressive_fn(
+        tgd, max_new_tokens=MAX_NEW, sampling=s, dynamic_sampling=dynamic
+    )
+    args = (tp, prompts, lengths, 3)
+    outs = {s: make(s, True)(*args) for s in (T0, T07, TOP_P)}
+    assert make(T0, True)._jitted._cache_size() == 1
+    for s in (T0, TOP_P):
+        _equal(outs[s], _static(make(s, False), s)(*args))
+    assert not np.array_equal(outs[T07].tokens, outs[TOP_P].tokens)
+
+
+@pytest.mark.parametrize('sampling', [T0, T07, TOP_P], ids=str)
+def test_dynamic_alpha_equals_static(sampling):
+    keys = jax.random.split(jax.random.key(2))
+    p, q = (3.0 * jax.random.normal(key, (4, 3, 33)) for key in keys)
+    static = jax.jit(st.alpha_per_position, static_argnums=2)(p, q, sampling)
+    np.testing.assert_array_equal(
+        jax.jit(st.alpha_per_position)(p, q, sampling.traced(True)), static
+    )
+
+
+def test_alpha_of_sequences_compiles_once_for_every_setting(pair):
+    target, draft = greedy_models()
+    _, _, prompts, lengths = pair
+    tokens = np.arange(BATCH * MAX_NEW).reshape(BATCH, MAX_NEW) % 17
+    gen = np.full(BATCH, MAX_NEW, np.int32)
+    before = st._alpha_of_sequences._cache_size()
+    alpha = {
+        s: st.alpha_of_sequences(target, draft, prompts, lengths, tokens, gen, s)[0]
+        for s in (T0, T07, TOP_P)
+    }
+    assert st._alpha_of_sequences._cache_size() == before + 1
+    assert set(np.unique(alpha[T0])) <= {0.0, 1.0}  # argmax agreement at T = 0 ...
+    assert not np.array_equal(alpha[T07], alpha[TOP_P])  # ... and each setting's own alpha
