@@ -19,11 +19,17 @@ Stages, each in its own sub-workdir of --workdir and run by the existing mode fu
   spec_ce, spec_distilled, spec_cotrain
                    mode spec_eval for each pair: acceptance per position, sampling, domain and
                    length; tau; measured and predicted speedup for every k at T = 0 and T = 1
-                   (T = 0.7 and top-p 0.9 at k = 4: one sampler compile per (k, sampling)
-                   point is most of this stage's time); c and v(k)
+                   (T = 0.7 and top-p 0.9 at k = 4); c and v(k). Compiling is most of
+                   spec_ce's time: one greedy and one sampled program per k (the sampled
+                   settings share it, temperature and top_p are traced); the other pairs
+                   reuse them from the compilation cache
   serve            time to first token, time per output token, tokens/s at batch 1 and 8 of the
                    target alone, the distilled draft alone and both speculative pairs; samples
   report           <workdir>/report.md and <workdir>/plots/*.png, from the stages' JSON only
+
+draft_ce, draft_distilled and cotrain need only the target: on a multi-core CPU they run side by
+side in child processes, two at a time (logs in <stage>/log.txt; --config.parallel_stages=1 runs
+everything in this process); the timing stages (spec_*, serve) always run alone.
 
 A rerun with the same --workdir skips finished stages (results present) and resumes a stage
 with a checkpoint but no results. A workdir whose stages were run with another config is refused
@@ -69,7 +75,7 @@ _PRESETS = {
         draft='test',
         draft_steps=30,
         new_tokens=16,
-        ks=(1, 2),  # one sampler compile per (k, sampling): the smoke run's main cost
+        ks=(1, 2),  # two sampler compiles per k: the smoke run's main cost
         samplings=((0.0, 0, 1.0), (1.0, 0, 1.0)),
         prompts_per_domain=4,
         vocab_size=1024,
