@@ -7,12 +7,14 @@ page: the quickstart's draft stage (logits of 16 x 128 x 4096 float32 = 33.5 MB)
 page faults and 30 s of system time beside 76 s of user time on the 2-core CPU. One arena, no
 mmap and no trimming: 0.36M faults, 1.7 s of system time, the same user time.
 The usual cure is LD_PRELOAD of tcmalloc, which a pip install cannot provide; mallopt(3) does it
-in-process, provided it runs before XLA's thread pools start (specjax.main and the tests call
-`configure` first thing).
+in-process, provided it runs before XLA's thread pools start.
 
-Freed memory then stays with the process (its peak host RSS is not returned to the kernel until
-exit), which is what a training or evaluation process wants. `SPECJAX_MALLOC=system` keeps
-glibc's defaults.
+It is not for every process: with one arena, multi-threaded work contends for the heap lock.
+spec_ce (mostly compiling) took 151 s instead of 115 s of wall time with it, and a 2-core
+pretraining run gained nothing. So only the quickstart's side-by-side training processes
+(specjax.experiments.stage_runner), each a small model's step on about one core, apply it.
+Freed memory then stays with the process until it exits. `SPECJAX_MALLOC=system` keeps glibc's
+defaults there too.
 """
 
 from __future__ import annotations

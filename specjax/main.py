@@ -15,7 +15,6 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from specjax import host_malloc
 from specjax.parallel.distributed import initialize_from_env
 from specjax.train.metrics import quiet_libraries
 from specjax.workdir import PREEMPTED_EXIT_CODE, die_with_runner
@@ -85,5 +84,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    host_malloc.configure()  # before XLA starts its threads
     app.run(main, flags_parser=parse_flags)

@@ -7,10 +7,6 @@ import os
 import jax
 import pytest
 
-from specjax import host_malloc
-
-host_malloc.configure()  # as specjax.main does: XLA:CPU buffers stay mapped between steps
-
 pytest_plugins = ['data_fixtures']
 
 _CACHE = os.environ.get(
