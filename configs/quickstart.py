@@ -82,19 +82,19 @@ _PRESETS = {
     ),
 }
 
-# Per-stage seconds on a quiet 2-core CPU (README, Quickstart: the fresh-clone run, scaled by
-# the measured process-CPU ratios of each change), used only for the ETA, which rescales them by
-# the finished stages' pace.
+# Per-stage wall seconds on a quiet 2-core CPU (README, Quickstart: the fresh-clone run; the
+# training stages there ran two at a time), used only for the ETA, which rescales them by the
+# pace so far.
 _ESTIMATES = {
     'full': dict(
-        target=190,
-        draft_ce=65,
-        draft_distilled=100,
-        cotrain=150,
-        spec_ce=160,
-        spec_distilled=30,
-        spec_cotrain=35,
-        serve=45,
+        target=180,
+        draft_ce=95,
+        draft_distilled=160,
+        cotrain=180,
+        spec_ce=140,
+        spec_distilled=40,
+        spec_cotrain=40,
+        serve=60,
         report=3,
     ),
     'tiny': dict(
