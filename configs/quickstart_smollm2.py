@@ -7,10 +7,12 @@ Run it as configs/quickstart.py:model=smollm2 (or model=smollm2,size=tiny); need
       --workdir=/tmp/specjax/quickstart_smollm2
 
 Stages (specjax.experiments.quickstart_smollm2): target (import, no training), teacher_cache
-(the N = reduced_vocab_size most frequent SmolLM2 tokens of the corpus and the teacher's top-K
-log-probs over them on train rows, computed once), draft_ce and draft_distilled (the same
-reduced-vocabulary draft, same rows and steps: cross-entropy vs FKL to the cached teacher),
-spec_ce, spec_distilled, serve, report. No cotrain: it would train the 135M target.
+(the N = reduced_vocab_size most frequent SmolLM2 tokens of the corpus; SmolLM2's continuations
+of train-row prompts and its top-K log-probs over the N ids on them, computed once), draft_ce
+and draft_distilled (the same reduced-vocabulary draft, same steps and tokens per step:
+cross-entropy on the corpus rows, DistillSpec's baseline, vs FKL to the cached teacher on its
+continuations, its best setting), spec_ce, spec_distilled, serve, report. No cotrain: it would
+train the 135M target.
 
 Presets: full (default; README, Quickstart, SmolLM2, has the measured times) and tiny (a smoke
 run of every stage with small settings; still a 135M target).
@@ -29,8 +31,9 @@ _PRESETS = {
     'full': dict(
         n=4096,  # reduced vocabulary
         top_k=32,  # cached teacher log-probs per position
-        train_rows=128,  # packed rows the teacher scores (seq_len tokens each)
-        eval_rows=16,
+        train_rows=128,  # rows the teacher continues and scores (seq_len tokens each)
+        prompt_len=32,  # corpus tokens a continuation starts from (+ generated = seq_len)
+        eval_rows=32,
         seq_len=128,
         draft_layers=1,  # SmolLM2's first layer, embedding rows of the N ids and final norm
         steps=150,
@@ -44,6 +47,7 @@ _PRESETS = {
         n=512,
         top_k=8,
         train_rows=8,
+        prompt_len=16,
         eval_rows=8,
         seq_len=64,
         draft_layers=1,
@@ -93,7 +97,10 @@ _SMOLLM2_BLOCK = dict(
 
 def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.seed = 0  # the same init for both drafts
+    c.seed = 0  # the same init and row order for both drafts
+    # the cached rows it trains on: 'corpus' (packed corpus rows) or 'teacher' (the rows the
+    # teacher scored: its continuations of corpus prompts)
+    c.rows = 'corpus' if ce_only else 'teacher'
     # 'target': both drafts start from SmolLM2's first draft.n_layers layers, its embedding rows
     # of the N ids (tied head) and final norm; 'random' = fresh init (then any block shape).
     # Measured on the full preset (README, SmolLM2): held-out alpha_T1 0.243 (FKL) and 0.171 (CE)
@@ -144,9 +151,18 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.teacher_cache = ml_collections.ConfigDict()
     c.teacher_cache.reduced_vocab_size = p['n']  # N: the draft vocabulary
     c.teacher_cache.top_k = p['top_k']  # K teacher log-probs kept per position
+    # 'teacher': SmolLM2 continues the first prompt_len tokens of each train row (at T =
+    # temperature, stopping at eos) and is scored on prompt + continuation (DistillSpec's
+    # teacher-generated data; the distilled draft's data); 'dataset': the corpus rows themselves
+    c.teacher_cache.source = 'teacher'
+    c.teacher_cache.prompt_len = p['prompt_len']
+    c.teacher_cache.max_new_tokens = p['seq_len'] - p['prompt_len']
+    c.teacher_cache.temperature = 1.0
     c.teacher_cache.train_rows = p['train_rows']
     c.teacher_cache.eval_rows = p['eval_rows']
-    c.teacher_cache.batch_size = 8  # rows per teacher forward
+    # rows per teacher call: a decode step reads all 135M weights, so generating 32 rows at once
+    # costs ~0.85 CPU-s per row here, about half of 8 at once
+    c.teacher_cache.batch_size = 32 if size == 'full' else 8
     c.teacher_cache.seed = 0
     c.teacher_cache.data = ml_collections.ConfigDict(c.data.to_dict())
 

