@@ -31,12 +31,12 @@ _PRESETS = {
     'full': dict(
         n=4096,  # reduced vocabulary
         top_k=32,  # cached teacher log-probs per position
-        train_rows=128,  # rows the teacher continues and scores (seq_len tokens each)
+        train_rows=512,  # rows the teacher continues and scores (seq_len tokens each)
         prompt_len=32,  # corpus tokens a continuation starts from (+ generated = seq_len)
         eval_rows=32,
         seq_len=128,
-        draft_layers=1,  # SmolLM2's first layer, embedding rows of the N ids and final norm
-        steps=150,
+        draft_layers=2,  # SmolLM2's first layers, embedding rows of the N ids and final norm
+        steps=300,
         batch=8,
         new_tokens=32,
         ks=(1, 2, 4),
@@ -63,9 +63,9 @@ _PRESETS = {
 _ESTIMATES = {
     'full': dict(
         target=40,
-        teacher_cache=300,
-        draft_ce=120,
-        draft_distilled=120,
+        teacher_cache=700,
+        draft_ce=300,
+        draft_distilled=300,
         spec_ce=240,
         spec_distilled=240,
         serve=180,

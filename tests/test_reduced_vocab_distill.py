@@ -82,6 +82,30 @@ def test_kd_loss_is_fkl_to_the_renormalised_top_k_of_the_set(setup):
     assert float(rv.kd_loss(d, idx, logp, np.zeros_like(mask))) == 0.0
 
 
+def test_kd_loss_takes_any_divergence_over_the_restricted_teacher(setup):
+    """kd_loss(divergence='tvd') is 1 - sum min(p~, q) over the N ids (numpy), p~ zero off the
+    top K; 'fkl' is the default; jsd lies strictly between 0 and FKL's value; an unknown name
+    is refused by train_draft naming config.loss.divergence."""
+    ids, t, d = setup['ids'], setup['t'], setup['d']
+    idx, logp = jax.device_get(rv.teacher_topk(t, ids, K))
+    mask = np.ones((3, T), bool)
+    p_full = np.exp(_np_log_softmax(t.astype(np.float64)))[..., ids]
+    p_tilde = np.zeros_like(p_full)
+    np.put_along_axis(p_tilde, idx, np.take_along_axis(p_full, idx, -1), -1)
+    p_tilde /= p_tilde.sum(-1, keepdims=True)
+    q = np.exp(_np_log_softmax(d.astype(np.float64)))
+    tvd_ref = (1 - np.minimum(p_tilde, q).sum(-1)).mean()
+    assert float(rv.kd_loss(d, idx, logp, mask, 'tvd')) == pytest.approx(tvd_ref, rel=1e-4)
+    fkl = float(rv.kd_loss(d, idx, logp, mask))
+    assert fkl == pytest.approx(float(rv.kd_loss(d, idx, logp, mask, 'fkl')))
+    assert 0 < float(rv.kd_loss(d, idx, logp, mask, 'jsd')) < fkl
+    np.testing.assert_allclose(
+        np.asarray(jax.nn.softmax(rv.restricted_teacher_logits(idx, logp, N))), p_tilde, atol=1e-6
+    )
+    grads = jax.grad(lambda x: rv.kd_loss(x, idx, logp, mask, 'jsd'))(d)
+    assert np.isfinite(np.asarray(grads)).all()  # zero teacher mass off the top K: no NaN
+
+
 def test_ce_loss_masks_targets_outside_the_set(setup):
     ids, d = setup['ids'], setup['d']
     table = rv.index_table(ids, V)
@@ -336,7 +360,10 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
     c.rows = 'corpus'
     with pytest.raises(ValueError, match=r"kd_weight=1.0 needs the teacher's outputs"):
         rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
-    c.rows = 'generated'
+    c.rows, c.loss.divergence = 'teacher', 'kl'
+    with pytest.raises(ValueError, match=r"config.loss.divergence='kl' must be one of"):
+        rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
+    c.rows, c.loss.divergence = 'generated', 'fkl'
     with pytest.raises(ValueError, match=r"config.rows must be one of \['corpus', 'teacher'\]"):
         rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
     c = _draft_config(0.0, 1.0, steps=3)

@@ -15,8 +15,9 @@ The cache (written once by the quickstart's teacher_cache stage, `save_cache` / 
 Generating costs one sequential target step per token, scoring one parallel forward per row.
 
 `train_draft(cfg, cache, tok, workdir)` trains cfg.draft (vocab_size N) for cfg.train.steps with
-loss = kd_weight * KD + ce_weight * CE over cycled rows (cfg.rows: 'teacher', the scored rows, or
-'corpus'; the same row order for every draft), logs held-out alpha every cfg.train.eval_every
+loss = kd_weight * KD (divergence cfg.loss.divergence, default fkl) + ce_weight * CE over cycled
+rows (cfg.rows: 'teacher', the scored rows, or 'corpus'; the same row order for every draft),
+logs held-out alpha every cfg.train.eval_every
 steps to <workdir>/metrics.jsonl, and saves a workdir load_model reads, with draft_vocab.json
 beside it.
 """
@@ -112,10 +113,12 @@ def _train_prefix(cfg, arrays: dict, cache_dir: str) -> str:
     return prefix
 
 
-def make_step(graphdef, tx, kd_weight: float, ce_weight: float):
+def make_step(graphdef, tx, kd_weight: float, ce_weight: float, divergence: str = 'fkl'):
     def loss_fn(params, b):
         logits = _logits(graphdef, params, b)
-        kd = rv.kd_loss(logits, b['topk_idx'], b['topk_logp'], b['mask']) if kd_weight else 0.0
+        kd = 0.0
+        if kd_weight:
+            kd = rv.kd_loss(logits, b['topk_idx'], b['topk_logp'], b['mask'], divergence)
         ce, _ = rv.ce_loss(logits, b['target_idx'], b['mask'])
         return kd_weight * kd + ce_weight * ce, (kd, ce)
 
@@ -196,6 +199,12 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
         )
     table = rv.index_table(ids, vocab['target_vocab_size'])
     prefix = _train_prefix(cfg, arrays, cache_dir)
+    divergence = cfg.loss.get('divergence', 'fkl')
+    if divergence not in ('fkl', 'rkl', 'jsd', 'tvd', 'neg_log_alpha'):
+        raise ValueError(
+            f"config.loss.divergence={divergence!r} must be one of 'fkl', 'rkl', 'jsd', 'tvd', "
+            "'neg_log_alpha' (specjax.distill.divergences; jsd with beta 0.5)"
+        )
     draft_cfg = TransformerConfig.from_dict(cfg.draft)
     init = cfg.get('init', 'random')
     if init == 'target':
@@ -213,7 +222,9 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     opt_state = tx.init(params)
-    step_fn = make_step(graphdef, tx, float(cfg.loss.kd_weight), float(cfg.loss.ce_weight))
+    step_fn = make_step(
+        graphdef, tx, float(cfg.loss.kd_weight), float(cfg.loss.ce_weight), divergence
+    )
     eval_fn = make_eval(graphdef, ids)
     rng = np.random.default_rng(int(cfg.seed))
     m = len(arrays[f'{prefix}_tokens'])

@@ -11,7 +11,8 @@ i means target token ids[i]; specjax.sampling.draft_vocab serves it exactly). Pu
 - the losses over the N ids:
   KD   p~ = the teacher's distribution restricted to the cached top-K of the N-set and
        renormalised there: p~_i = p(ids[i]) / sum_{j in topK} p(ids[j]) (0 elsewhere);
-       FKL(p~ || q) = sum_i p~_i (log p~_i - log q_i), q = softmax of the draft's N logits.
+       a divergence of specjax.distill.divergences between p~ and q = softmax of the draft's
+       N logits, e.g. FKL(p~ || q) = sum_i p~_i (log p~_i - log q_i) or TVD = 1 - sum min.
        Every position with a next-token target counts (the teacher's distribution is
        informative even where the data token is outside the set).
   CE   -log q[index of the data token], averaged over positions whose next token is in the set;
@@ -78,14 +79,27 @@ def teacher_on_set(logits_BTV, ids_N):
     return on_set, jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
 
 
-def kd_loss(draft_logits_BTN, idx_BTK, logp_BTK, mask_BT):
-    """Mean over mask of FKL(p~ || q), p~ the cached top-K renormalised (see the module doc)."""
-    logq_BTN = jax.nn.log_softmax(draft_logits_BTN.astype(jnp.float32), axis=-1)
-    logq_BTK = jnp.take_along_axis(logq_BTN, idx_BTK, axis=-1)
-    logp_BTK = logp_BTK - jax.nn.logsumexp(logp_BTK, axis=-1, keepdims=True)  # renormalise
-    fkl_BT = jnp.sum(jnp.exp(logp_BTK) * (logp_BTK - logq_BTK), axis=-1)
-    mask = mask_BT.astype(jnp.float32)
-    return jnp.sum(fkl_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+OFF_TOP_K = -1e9  # a teacher logit off its cached top K: probability exactly 0 after softmax
+
+
+def restricted_teacher_logits(idx_BTK, logp_BTK, n: int):
+    """float32 [B, T, N] logits whose softmax is p~ (the cached top K renormalised, 0 elsewhere),
+    so every divergence of specjax.distill.divergences applies to the reduced draft as is."""
+    b, t, _ = idx_BTK.shape
+    logits = jnp.full((b, t, n), OFF_TOP_K, jnp.float32)
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    return logits.at[rows[0], rows[1], idx_BTK].set(logp_BTK.astype(jnp.float32))
+
+
+def kd_loss(draft_logits_BTN, idx_BTK, logp_BTK, mask_BT, divergence: str = 'fkl', beta=0.5):
+    """Mean over mask of divergence(p~ || q) (specjax.distill.divergences by name; 'fkl' is
+    FKL(p~ || q)), p~ the cached top-K renormalised (see the module doc)."""
+    from specjax.distill import divergences
+
+    fn = divergences.get_divergence(divergence, beta=beta)
+    teacher = restricted_teacher_logits(idx_BTK, logp_BTK, draft_logits_BTN.shape[-1])
+    loss, _ = fn(jax.lax.stop_gradient(teacher), draft_logits_BTN, mask_BT)
+    return loss
 
 
 def ce_loss(draft_logits_BTN, target_idx_BT, mask_BT):
