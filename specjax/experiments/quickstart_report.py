@@ -654,6 +654,27 @@ def needed_alpha_rows(spec: dict, label: str = 'T=0') -> list[dict]:
     return out
 
 
+def _serve_speedups(d: dict) -> str:
+    """' Serving (serve stage) ...': each speculative pair's tokens/s and time per output token
+    against the target's at the serve stage's smallest batch, when it decoded greedily."""
+    sv = d.get('serve')
+    if not sv or sv.get('sampling', {}).get('temperature') != 0.0:
+        return ''
+    b = min(r['batch_size'] for r in sv['rows'])
+    target = serve_row(sv, 'target', b)
+    parts = []
+    for method, name in (('spec_ce', 'cross-entropy draft'), ('spec_distilled', 'distilled draft')):
+        r = serve_row(sv, method, b)
+        parts.append(
+            f'{name} {fmt(r["tokens_per_s"] / target["tokens_per_s"])}x the tokens/s '
+            f'({fmt(target["tpot_s"] / r["tpot_s"])}x after the first token)'
+        )
+    return (
+        f' Serving (stage serve: batch {b}, {sv["max_new_tokens"]} greedy tokens, k = '
+        f'{sv["k"]}, prefill included): ' + '; '.join(parts) + " against the target's."
+    )
+
+
 def section_break_even_alpha(d: dict) -> list[str]:
     """A draft and k with measured speedup > 1 at T = 0, or the alpha each k would need."""
     rows, best = [], None
@@ -682,7 +703,7 @@ def section_break_even_alpha(d: dict) -> list[str]:
     return [
         '## Speedup at T = 0, or the alpha needed',
         '',
-        verdict,
+        verdict + _serve_speedups(d),
         '',
         markdown_table(
             [
