@@ -151,13 +151,15 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.teacher_cache = ml_collections.ConfigDict()
     c.teacher_cache.reduced_vocab_size = p['n']  # N: the draft vocabulary
     c.teacher_cache.top_k = p['top_k']  # K teacher log-probs kept per position
-    # 'teacher': SmolLM2 continues the first prompt_len tokens of each train row (at T =
-    # temperature, stopping at eos) and is scored on prompt + continuation (DistillSpec's
-    # teacher-generated data; the distilled draft's data); 'dataset': the corpus rows themselves
+    # 'teacher': SmolLM2 continues the first prompt_len tokens of each train row (stopping at
+    # eos) and is scored on prompt + continuation (DistillSpec's teacher-generated data; the
+    # distilled draft's data); 'dataset': the corpus rows themselves
     c.teacher_cache.source = 'teacher'
     c.teacher_cache.prompt_len = p['prompt_len']
     c.teacher_cache.max_new_tokens = p['seq_len'] - p['prompt_len']
-    c.teacher_cache.temperature = 1.0
+    # batch i of continuations samples at temperatures[i % len] (0 = greedy): text like what
+    # spec_eval's T = 1 and T = 0 runs verify
+    c.teacher_cache.temperatures = (1.0, 0.0)
     c.teacher_cache.train_rows = p['train_rows']
     c.teacher_cache.eval_rows = p['eval_rows']
     # rows per teacher call: a decode step reads all 135M weights, so generating 32 rows at once

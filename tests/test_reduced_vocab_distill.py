@@ -300,10 +300,10 @@ def test_report_says_how_the_drafts_started():
     assert 'teacher-forced on 8 packed rows' in '\n'.join(
         section_reduced_vocab({'teacher_cache': cache})
     )
-    gen = dict(cache, source='teacher', prompt_len=3, temperature=1.0, generated_tokens=40,
+    gen = dict(cache, source='teacher', prompt_len=3, temperatures=[1.0, 0.0], generated_tokens=40,
                generated_in_set=0.75, teacher_generate_seconds=0.5)  # fmt: skip
     text = '\n'.join(section_reduced_vocab({'teacher_cache': gen}))
-    assert 'continued the first (at most) 3 tokens of 8 corpus rows at T = 1' in text
+    assert 'continued the first (at most) 3 tokens of 8 corpus rows at T = 1 and 0' in text
     assert '40 generated, 0.75 of them in the set' in text
 
 
@@ -323,7 +323,7 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
         'positions': np.zeros((4, T), np.int32),
         'domain_ids': np.zeros((4, T), np.int32),
     }
-    kw = dict(prompt_len=3, max_new_tokens=5, temperature=1.0, eos_id=None)
+    kw = dict(prompt_len=3, max_new_tokens=5, temperatures=(1.0, 0.0), eos_id=None)
     rows = rt.teacher_continuations(graphdef, params, [batch, batch], seed=7, **kw)
     lengths = np.array([3, 2, 3, 2], np.int32)
     for i, r in enumerate(rows):
@@ -331,7 +331,7 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
         key = jax.random.fold_in(jax.random.key(7), i)
         ref = autoregressive_sample(
             teacher, np.where(np.arange(3) < lengths[:, None], batch['tokens'][:, :3], 0),
-            lengths, max_new_tokens=5, sampling=SamplingConfig(1.0), rng=key,
+            lengths, max_new_tokens=5, sampling=SamplingConfig((1.0, 0.0)[i]), rng=key,
         )  # fmt: skip
         for b in range(4):
             p = lengths[b]
@@ -339,7 +339,7 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
             np.testing.assert_array_equal(r['tokens'][b, p : p + 5], np.asarray(ref.tokens)[b])
             np.testing.assert_array_equal(r['segment_ids'][b], [1] * (p + 5) + [0] * (3 - p))
             np.testing.assert_array_equal(r['positions'][b], np.arange(8))
-    assert not np.array_equal(rows[0]['tokens'], rows[1]['tokens'])  # a key per batch
+    assert not np.array_equal(rows[0]['tokens'], rows[1]['tokens'])  # T = 1, then greedy
     other = rt.teacher_continuations(graphdef, params, [batch], seed=8, **kw)
     assert not np.array_equal(other[0]['tokens'], rows[0]['tokens'])  # negative control
 
@@ -384,6 +384,10 @@ def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
         check_config(c)
     c.teacher_cache.source = 'continuations'
     with pytest.raises(ValueError, match=r"config.teacher_cache.source='continuations'"):
+        check_config(c)
+    c = _load_config('model=smollm2')
+    c.teacher_cache.temperatures = (1.0, -0.5)
+    with pytest.raises(ValueError, match=r'temperatures=\(1.0, -0.5\) must be'):
         check_config(c)
     c = _load_config('model=smollm2')
     c.draft_ce.draft.max_len = 64

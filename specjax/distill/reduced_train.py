@@ -278,29 +278,33 @@ def teacher_continuations(
     *,
     prompt_len: int,
     max_new_tokens: int,
-    temperature: float,
+    temperatures,
     eos_id: int | None,
     seed: int,
 ) -> list[dict]:
     """The teacher continues each packed row's prompt (the start of its first document, at most
-    prompt_len tokens; specjax.distill.sources) for max_new_tokens at `temperature`, stopping at
-    eos -> rows {tokens, positions, segment_ids} int32 [B, prompt_len + max_new_tokens]: prompt
-    and continuation one segment (1), padding after eos segment 0. Batch i samples with
-    fold_in(key(seed), i), so the cache is a pure function of (params, rows, settings, seed)."""
+    prompt_len tokens; specjax.distill.sources) for max_new_tokens, stopping at eos -> rows
+    {tokens, positions, segment_ids} int32 [B, prompt_len + max_new_tokens]: prompt and
+    continuation one segment (1), padding after eos segment 0. Batch i samples at temperature
+    temperatures[i % len(temperatures)] (0 = greedy) with fold_in(key(seed), i), so the cache is a
+    pure function of (params, rows, settings, seed)."""
     from specjax.distill import sources
     from specjax.sampling import SamplingConfig, make_autoregressive_fn
 
-    sample = make_autoregressive_fn(
-        graphdef,
-        max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(temperature=float(temperature)),
-        eos_id=eos_id,
-    )
+    samplers = [
+        make_autoregressive_fn(
+            graphdef,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingConfig(temperature=float(t)),
+            eos_id=eos_id,
+        )
+        for t in temperatures
+    ]
     key = jax.random.key(int(seed))
     out = []
     for i, b in enumerate(batches):
         prompts, lengths, _ = sources.prompts_from_batch(b, prompt_len)
-        gen = sample(params, prompts, lengths, jax.random.fold_in(key, i))
+        gen = samplers[i % len(samplers)](params, prompts, lengths, jax.random.fold_in(key, i))
         rows = jax.device_get(sources.assemble(prompts, lengths, gen.tokens, gen.lengths))
         out.append({x: np.asarray(rows[x], np.int32) for x in BATCH3})
     return out

@@ -56,6 +56,12 @@ def check_config(config) -> None:
             "continuations of corpus prompts) or 'dataset' (the corpus rows, teacher-forced)"
         )
     if tc.source == 'teacher':
+        temps = tuple(tc.temperatures)
+        if not temps or any(not isinstance(t, int | float) or t < 0 for t in temps):
+            raise ValueError(
+                f'config.teacher_cache.temperatures={temps!r} must be a non-empty tuple of '
+                'temperatures >= 0 (0 = greedy)'
+            )
         seq_len = int(tc.data.seq_len)
         p, new = int(tc.prompt_len), int(tc.max_new_tokens)
         if p < 1 or new < 1 or p + new != seq_len:
@@ -131,7 +137,7 @@ def run_teacher_cache(cfg, wd, root):
             train,
             prompt_len=int(cfg.prompt_len),
             max_new_tokens=int(cfg.max_new_tokens),
-            temperature=float(cfg.temperature),
+            temperatures=tuple(float(t) for t in cfg.temperatures),
             eos_id=tok.eos_id,
             seed=int(cfg.seed),
         )
@@ -165,7 +171,7 @@ def run_teacher_cache(cfg, wd, root):
         # source 'teacher': prompt tokens per row (at most), sampling temperature, and the
         # generated tokens' in-set fraction (the draft can propose only the N ids)
         'prompt_len': int(cfg.prompt_len),
-        'temperature': float(cfg.temperature),
+        'temperatures': [float(t) for t in cfg.temperatures],  # batch i: [i % len]
         'generated_tokens': int(generated.sum()) if cfg.source == 'teacher' else 0,
         'generated_in_set': float(np.isin(arrays['train_tokens'][generated], ids).mean())
         if cfg.source == 'teacher' and generated.any()
