@@ -17,9 +17,8 @@ Generating costs one sequential target step per token, scoring one parallel forw
 `train_draft(cfg, cache, tok, workdir)` trains cfg.draft (vocab_size N) for cfg.train.steps with
 loss = kd_weight * KD (divergence cfg.loss.divergence, default fkl) + ce_weight * CE over cycled
 rows (cfg.rows: 'teacher', the scored rows, or 'corpus'; the same row order for every draft),
-logs held-out alpha every cfg.train.eval_every
-steps to <workdir>/metrics.jsonl, and saves a workdir load_model reads, with draft_vocab.json
-beside it.
+logs held-out alpha every cfg.train.eval_every steps to <workdir>/metrics.jsonl, and saves a
+workdir load_model reads, with draft_vocab.json beside it.
 """
 
 from __future__ import annotations
