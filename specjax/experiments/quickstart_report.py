@@ -741,7 +741,8 @@ def _cache_rows(c: dict) -> str:
         return (
             f'The teacher ran once: it continued the first (at most) {c["prompt_len"]} tokens '
             f'of {c["train_rows"]} corpus rows at T = '
-            f'{" and ".join(fmt(t) for t in c["temperatures"])} (batches in turn) to '
+            f'{" and ".join(fmt(t) for t in c["temperatures"])}'
+            f'{" (batches in turn)" if len(c["temperatures"]) > 1 else ""} to '
             f'{c["seq_len"]} tokens ({c["generated_tokens"]} generated'
             + (f', {fmt(in_set)} of them in the set' if in_set is not None else '')
             + f'; {fmt(c["teacher_generate_seconds"])} s) and was scored on prompt and '

@@ -109,6 +109,7 @@ def run_teacher_cache(cfg, wd, root):
     from specjax.data.pipeline import tokenized_split
     from specjax.distill import reduced_train as rt
     from specjax.distill import reduced_vocab as rv
+    from specjax.distill import sources
     from specjax.models import split
 
     started = time.perf_counter()
@@ -127,6 +128,7 @@ def run_teacher_cache(cfg, wd, root):
         cfg.data, tok, global_batch_size=b, max_batches=-(-int(cfg.eval_rows) // b)
     )
     graphdef, params = split(target)
+    train_corpus = train
     corpus = {f'corpus_{x}': np.concatenate([np.asarray(b[x], np.int32) for b in train])
               for x in rt.BATCH3}  # fmt: skip
     t0 = time.perf_counter()
@@ -149,7 +151,10 @@ def run_teacher_cache(cfg, wd, root):
     mass = np.exp(arrays['train_topk_logp'].astype(np.float32)).sum(-1)
     seg = arrays['train_segment_ids']
     valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0)
-    generated = (arrays['train_positions'] >= int(cfg.prompt_len)) & (seg != 0)
+    prompt_lens = np.concatenate(
+        [sources.prompts_from_batch(b, int(cfg.prompt_len))[1] for b in train_corpus]
+    )  # a continuation starts after its row's prompt (its first document's first tokens)
+    generated = (arrays['train_positions'] >= prompt_lens[:, None]) & (seg != 0)
     vocab = {
         'ids': ids.tolist(),
         'counts': counts[ids].tolist(),
