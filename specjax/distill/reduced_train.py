@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 from specjax.distill import reduced_vocab as rv
+from specjax.distill.divergences import DIVERGENCES
 from specjax.models import Transformer, TransformerConfig, apply, merge, split
 from specjax.train.losses import next_token_targets
 
@@ -79,7 +80,7 @@ def _batch(arrays, prefix, rows, table):
         'target_idx': table[targets].astype(np.int32),  # -1 off the set
         'mask': np.asarray(mask),
     }
-    if prefix == 'train' and 'train_topk_idx' in arrays:
+    if prefix == 'train':
         out['topk_idx'] = arrays['train_topk_idx'][rows, :-1].astype(np.int32)
         out['topk_logp'] = arrays['train_topk_logp'][rows, :-1].astype(np.float32)
     elif prefix == 'eval':
@@ -92,10 +93,9 @@ def _logits(graphdef, params, b):
     return apply(graphdef, params, b['inputs'], b['positions'], b['segment_ids'])[:, :-1]
 
 
-def _train_prefix(cfg, arrays: dict, cache_dir: str) -> str:
+def _train_prefix(rows: str, cfg, arrays: dict, cache_dir: str) -> str:
     """The cache prefix of cfg.rows; ValueError naming the field for an unknown value, for KD
     on rows without teacher outputs, or rows this cache lacks."""
-    rows = cfg.get('rows', 'teacher')
     if rows not in ROWS:
         raise ValueError(f'config.rows must be one of {sorted(ROWS)}, got {rows!r}')
     if rows == 'corpus' and float(cfg.loss.kd_weight):
@@ -197,12 +197,13 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
             f'vocabulary size {len(ids)} ({cache_dir}/{VOCAB_FILE})'
         )
     table = rv.index_table(ids, vocab['target_vocab_size'])
-    prefix = _train_prefix(cfg, arrays, cache_dir)
+    rows = cfg.get('rows', 'teacher')
+    prefix = _train_prefix(rows, cfg, arrays, cache_dir)
     divergence = cfg.loss.get('divergence', 'fkl')
-    if divergence not in ('fkl', 'rkl', 'jsd', 'tvd', 'neg_log_alpha'):
+    if divergence not in DIVERGENCES:
         raise ValueError(
-            f"config.loss.divergence={divergence!r} must be one of 'fkl', 'rkl', 'jsd', 'tvd', "
-            "'neg_log_alpha' (specjax.distill.divergences; jsd with beta 0.5)"
+            f'config.loss.divergence={divergence!r} must be one of {sorted(DIVERGENCES)} '
+            '(specjax.distill.divergences; jsd with beta 0.5)'
         )
     draft_cfg = TransformerConfig.from_dict(cfg.draft)
     init = cfg.get('init', 'random')
@@ -261,7 +262,7 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
         step=steps,
         train_seconds=time.perf_counter() - started,
         tokens_seen=steps * batch * arrays[f'{prefix}_tokens'].shape[1],
-        rows=cfg.get('rows', 'teacher'),
+        rows=rows,
         num_params_draft=draft_cfg.num_params,
         init=init,
         draft_layers=draft_cfg.n_layers,

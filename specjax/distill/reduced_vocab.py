@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.distill import divergences
+
 
 def corpus_counts(ids, offsets, vocab_size: int, bos_id: int | None, eos_id: int | None):
     """int64 [V] token counts of a tokenized split (flat ids, offsets [docs + 1])."""
@@ -94,8 +96,6 @@ def restricted_teacher_logits(idx_BTK, logp_BTK, n: int):
 def kd_loss(draft_logits_BTN, idx_BTK, logp_BTK, mask_BT, divergence: str = 'fkl', beta=0.5):
     """Mean over mask of divergence(p~ || q) (specjax.distill.divergences by name; 'fkl' is
     FKL(p~ || q)), p~ the cached top-K renormalised (see the module doc)."""
-    from specjax.distill import divergences
-
     fn = divergences.get_divergence(divergence, beta=beta)
     teacher = restricted_teacher_logits(idx_BTK, logp_BTK, draft_logits_BTN.shape[-1])
     loss, _ = fn(jax.lax.stop_gradient(teacher), draft_logits_BTN, mask_BT)

@@ -128,12 +128,10 @@ def run_teacher_cache(cfg, wd, root):
         cfg.data, tok, global_batch_size=b, max_batches=-(-int(cfg.eval_rows) // b)
     )
     graphdef, params = split(target)
-    train_corpus = train
-    corpus = {f'corpus_{x}': np.concatenate([np.asarray(b[x], np.int32) for b in train])
-              for x in rt.BATCH3}  # fmt: skip
     t0 = time.perf_counter()
+    scored = train  # the rows the teacher scores: its continuations, or the corpus rows
     if cfg.source == 'teacher':  # DistillSpec's teacher-generated data
-        train = rt.teacher_continuations(
+        scored = rt.teacher_continuations(
             graphdef,
             params,
             train,
@@ -144,17 +142,20 @@ def run_teacher_cache(cfg, wd, root):
             seed=int(cfg.seed),
         )
     generate_s = time.perf_counter() - t0
-    arrays = rt.teacher_arrays(graphdef, params, train, ids, int(cfg.top_k), 'train')
+    arrays = rt.teacher_arrays(graphdef, params, scored, ids, int(cfg.top_k), 'train')
     train_s = time.perf_counter() - t0
-    arrays.update(corpus)
+    for x in rt.BATCH3:  # the packed corpus rows (the cross-entropy draft's)
+        arrays[f'corpus_{x}'] = np.concatenate([np.asarray(b[x], np.int32) for b in train])
     arrays.update(rt.teacher_arrays(graphdef, params, evals, ids, int(cfg.top_k), 'eval'))
     mass = np.exp(arrays['train_topk_logp'].astype(np.float32)).sum(-1)
     seg = arrays['train_segment_ids']
-    valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0)
-    prompt_lens = np.concatenate(
-        [sources.prompts_from_batch(b, int(cfg.prompt_len))[1] for b in train_corpus]
-    )  # a continuation starts after its row's prompt (its first document's first tokens)
-    generated = (arrays['train_positions'] >= prompt_lens[:, None]) & (seg != 0)
+    valid = sources.data_masks(seg)
+    generated = np.zeros_like(seg, bool)
+    if cfg.source == 'teacher':  # a continuation starts after its row's prompt
+        lens = np.concatenate(
+            [sources.prompts_from_batch(b, int(cfg.prompt_len))[1] for b in train]
+        )
+        generated = (arrays['train_positions'] >= lens[:, None]) & (seg != 0)
     vocab = {
         'ids': ids.tolist(),
         'counts': counts[ids].tolist(),
@@ -177,9 +178,9 @@ def run_teacher_cache(cfg, wd, root):
         # generated tokens' in-set fraction (the draft can propose only the N ids)
         'prompt_len': int(cfg.prompt_len),
         'temperatures': [float(t) for t in cfg.temperatures],  # batch i: [i % len]
-        'generated_tokens': int(generated.sum()) if cfg.source == 'teacher' else 0,
+        'generated_tokens': int(generated.sum()),
         'generated_in_set': float(np.isin(arrays['train_tokens'][generated], ids).mean())
-        if cfg.source == 'teacher' and generated.any()
+        if generated.any()
         else None,
         'target_val_loss': float(arrays['eval_target_loss']),  # in-set positions of eval rows
         'teacher_generate_seconds': generate_s,  # sampling the continuations (0: dataset)
