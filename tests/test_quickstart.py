@@ -17,6 +17,7 @@ from data_fixtures import prepared_stdlib_dir
 
 from specjax.experiments import quickstart, quickstart_report, stage_runner
 from specjax.experiments.report import fmt
+from specjax.sampling import stats as st
 
 _CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
 SECTIONS = (
@@ -142,6 +143,11 @@ def test_report_numbers_equal_the_json(finished):
         assert _cell(text, f'| {label} | {k} |', 2) == fmt(ce)
         assert _cell(text, f'| {label} | {k} |', 3) == fmt(di)
         assert _cell(text, f'| {label} | {k} |', 4) == fmt(di / ce)
+        alpha = quickstart_report.run_at(d['spec_distilled'], label, k)['alpha']
+        assert _cell(text, f'| {label} | {k} |', 6) == fmt(alpha)
+        needed = st.alpha_for_tau(1.25 * ce, k)
+        assert _cell(text, f'| {label} | {k} |', 7) == fmt(needed)
+        assert st.expected_block_efficiency(needed, k) == pytest.approx(1.25 * ce)
     serve = json.load(open(os.path.join(workdir, 'serve', 'serve.json')))
     row = next(r for r in serve['rows'] if r['method'] == 'target' and r['batch_size'] == 1)
     assert _cell(text, '| target alone (autoregressive) | 1 |', 3) == fmt(1e3 * row['ttft_s'])

@@ -85,6 +85,17 @@ def test_leviathan_limits():
         st.expected_block_efficiency(1.5, 2)
 
 
+def test_alpha_for_tau_inverts_leviathan():
+    for k in (1, 2, 4, 8):
+        for a in (0.05, 0.3, 0.6, 0.95):
+            tau = st.expected_block_efficiency(a, k)
+            assert st.alpha_for_tau(tau, k) == pytest.approx(a, abs=1e-9)
+    assert st.alpha_for_tau(1.0, 4) == 0.0 and st.alpha_for_tau(0.5, 4) == 0.0
+    assert st.alpha_for_tau(5.0, 4) == pytest.approx(1.0) and st.alpha_for_tau(5.01, 4) is None
+    # required_alpha is the same inversion at tau = speedup x (k c + v(k)).
+    assert st.required_alpha(4, 0.1, 1.2, 1.5) == pytest.approx(st.alpha_for_tau(2.4, 4))
+
+
 def test_predicted_speedup_and_optimal_k():
     v = {1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0}
     # alpha = 0.5, c = 0.1: E[tau] = 1.5, 1.75, 1.875, 1.9375; costs 1.1, 1.2, 1.3, 2.4.

@@ -118,20 +118,24 @@ def predicted_speedups(alpha: float, c: float, v: Mapping[int, float]) -> dict[i
     }
 
 
-def required_alpha(k: int, c: float, v_k: float, speedup: float = 1.0) -> float | None:
-    """The alpha at which E[tau](alpha, k) / (k c + v(k)) equals `speedup` (bisection; E[tau]
-    increases with alpha): 0.0 when even alpha = 0 reaches it, None when even alpha = 1
-    (tau = k + 1) does not."""
-    need = speedup * (k * c + v_k)
-    if need <= 1.0:
+def alpha_for_tau(tau: float, k: int) -> float | None:
+    """The alpha at which E[tau](alpha, k) equals `tau` (bisection; E[tau] increases with alpha):
+    0.0 when tau <= 1 (alpha = 0 already gives it), None when tau > k + 1 (not even alpha = 1)."""
+    if tau <= 1.0:
         return 0.0
-    if need > k + 1.0:
+    if tau > k + 1.0:
         return None
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if float(expected_block_efficiency(mid, k)) < need else (lo, mid)
+        lo, hi = (mid, hi) if float(expected_block_efficiency(mid, k)) < tau else (lo, mid)
     return hi
+
+
+def required_alpha(k: int, c: float, v_k: float, speedup: float = 1.0) -> float | None:
+    """The alpha at which E[tau](alpha, k) / (k c + v(k)) equals `speedup`: 0.0 when even
+    alpha = 0 reaches it, None when even alpha = 1 (tau = k + 1) does not."""
+    return alpha_for_tau(speedup * (k * c + v_k), k)
 
 
 def optimal_k(alpha: float, c: float, v: Mapping[int, float]) -> int:
