@@ -60,25 +60,25 @@ _PRESETS = {
     ),
 }
 
-_ESTIMATES = {
+_ESTIMATES = {  # seconds measured on the 2-core CPU (README, SmolLM2); the ETA rescales them
     'full': dict(
-        target=40,
-        teacher_cache=680,
-        draft_ce=240,
+        target=15,
+        teacher_cache=690,
+        draft_ce=300,
         draft_distilled=240,
-        spec_ce=330,
-        spec_distilled=250,
-        serve=100,
+        spec_ce=390,
+        spec_distilled=270,
+        serve=50,
         report=5,
     ),
     'tiny': dict(
-        target=40,
-        teacher_cache=30,
-        draft_ce=10,
-        draft_distilled=10,
-        spec_ce=90,
-        spec_distilled=90,
-        serve=90,
+        target=15,
+        teacher_cache=50,
+        draft_ce=25,
+        draft_distilled=15,
+        spec_ce=150,
+        spec_distilled=30,
+        serve=130,
         report=5,
     ),
 }
