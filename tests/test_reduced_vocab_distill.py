@@ -390,6 +390,10 @@ def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
     with pytest.raises(ValueError, match=r'temperatures=\(1.0, -0.5\) must be'):
         check_config(c)
     c = _load_config('model=smollm2')
+    c.draft_distilled.loss.divergence = 'kl'
+    with pytest.raises(ValueError, match=r"config.draft_distilled.loss.divergence='kl' must be"):
+        check_config(c)
+    c = _load_config('model=smollm2')
     c.draft_ce.draft.max_len = 64
     with pytest.raises(ValueError, match=r'config.draft_ce.draft.max_len=64 is shorter'):
         check_config(c)

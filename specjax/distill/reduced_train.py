@@ -93,16 +93,29 @@ def _logits(graphdef, params, b):
     return apply(graphdef, params, b['inputs'], b['positions'], b['segment_ids'])[:, :-1]
 
 
-def _train_prefix(rows: str, cfg, arrays: dict, cache_dir: str) -> str:
-    """The cache prefix of cfg.rows; ValueError naming the field for an unknown value, for KD
-    on rows without teacher outputs, or rows this cache lacks."""
+def check_draft_config(cfg, field: str = 'config') -> None:
+    """ValueError naming the field (`field` is the draft config's own name) for what train_draft
+    refuses whatever the cache holds: an unknown cfg.rows, KD on the corpus rows, an unknown
+    cfg.loss.divergence. Callers run it before any stage, train_draft again."""
+    rows = cfg.get('rows', 'teacher')
     if rows not in ROWS:
-        raise ValueError(f'config.rows must be one of {sorted(ROWS)}, got {rows!r}')
+        raise ValueError(f'{field}.rows must be one of {sorted(ROWS)}, got {rows!r}')
     if rows == 'corpus' and float(cfg.loss.kd_weight):
         raise ValueError(
-            f"config.loss.kd_weight={cfg.loss.kd_weight} needs the teacher's outputs, which "
-            "config.rows='corpus' has none of: use rows='teacher' or kd_weight=0"
+            f"{field}.loss.kd_weight={cfg.loss.kd_weight} needs the teacher's outputs, which "
+            f"{field}.rows='corpus' has none of: use rows='teacher' or kd_weight=0"
         )
+    divergence = cfg.loss.get('divergence', 'fkl')
+    if divergence not in DIVERGENCES:
+        raise ValueError(
+            f'{field}.loss.divergence={divergence!r} must be one of {sorted(DIVERGENCES)} '
+            '(specjax.distill.divergences; jsd with beta 0.5)'
+        )
+
+
+def _train_prefix(rows: str, arrays: dict, cache_dir: str) -> str:
+    """The cache prefix of rows (checked by check_draft_config); ValueError when this cache
+    lacks them."""
     prefix = ROWS[rows]
     if f'{prefix}_tokens' not in arrays:
         raise ValueError(
@@ -197,14 +210,10 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
             f'vocabulary size {len(ids)} ({cache_dir}/{VOCAB_FILE})'
         )
     table = rv.index_table(ids, vocab['target_vocab_size'])
+    check_draft_config(cfg)
     rows = cfg.get('rows', 'teacher')
-    prefix = _train_prefix(rows, cfg, arrays, cache_dir)
+    prefix = _train_prefix(rows, arrays, cache_dir)
     divergence = cfg.loss.get('divergence', 'fkl')
-    if divergence not in DIVERGENCES:
-        raise ValueError(
-            f'config.loss.divergence={divergence!r} must be one of {sorted(DIVERGENCES)} '
-            '(specjax.distill.divergences; jsd with beta 0.5)'
-        )
     draft_cfg = TransformerConfig.from_dict(cfg.draft)
     init = cfg.get('init', 'random')
     if init == 'target':

@@ -48,7 +48,7 @@ def check_available(source: str) -> None:
 def check_config(config) -> None:
     """ValueError naming the field, before anything runs: the cache's data source, and rows of
     the teacher's continuations as long as the corpus rows (both drafts see the same tokens per
-    step) and within the drafts' max_len."""
+    step) and within the drafts' max_len; each draft's rows and loss (check_draft_config)."""
     tc = config.teacher_cache
     if tc.source not in ('teacher', 'dataset'):
         raise ValueError(
@@ -70,7 +70,10 @@ def check_config(config) -> None:
                 f"and sum to the rows' seq_len {seq_len} (config.teacher_cache.data.seq_len), "
                 'so both drafts see as many tokens per step'
             )
+    from specjax.distill.reduced_train import check_draft_config
+
     for name in ('draft_ce', 'draft_distilled'):
+        check_draft_config(config[name], f'config.{name}')
         if int(config[name].draft.max_len) < int(tc.data.seq_len):
             raise ValueError(
                 f'config.{name}.draft.max_len={config[name].draft.max_len} is shorter than the '
@@ -174,7 +177,7 @@ def run_teacher_cache(cfg, wd, root):
         'train_rows': int(arrays['train_tokens'].shape[0]),
         'eval_rows': int(arrays['eval_tokens'].shape[0]),
         'seq_len': int(arrays['train_tokens'].shape[1]),
-        # source 'teacher': prompt tokens per row (at most), sampling temperature, and the
+        # source 'teacher': prompt tokens per row (at most), sampling temperatures, and the
         # generated tokens' in-set fraction (the draft can propose only the N ids)
         'prompt_len': int(cfg.prompt_len),
         'temperatures': [float(t) for t in cfg.temperatures],  # batch i: [i % len]
