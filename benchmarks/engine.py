@@ -25,6 +25,7 @@ import argparse
 import time
 
 from benchmarks.sampling import build_models, setup_cache
+from specjax import jsonio
 
 TREES = {
     'chain4': ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)),
@@ -96,7 +97,6 @@ def run(args) -> dict:
     import jax
     import numpy as np
 
-    from specjax.experiments import report
     from specjax.models import split
     from specjax.sampling import (
         SamplingConfig,
@@ -179,14 +179,14 @@ def run(args) -> dict:
         result['rules'].append(row)
     result['first_call_s'] = {str(k): v for k, v in first_s.items()}
     result['wall_s'] = time.perf_counter() - started
-    report.write_json(args.out, result)
+    jsonio.write_json(args.out, result)
     print(tables(result))
     print(f'\nwrote {args.out} ({result["wall_s"]:.0f} s)')
     return result
 
 
 def tables(result: dict) -> str:
-    from specjax.experiments.report import markdown_table
+    from specjax.evaluation.tables import markdown_table
 
     head = (
         f'B={result["batch_size"]}, minimum of {result["repeats"]} interleaved repeats. '

@@ -135,7 +135,7 @@ def run_transformers(target, draft, prompts, new: int, k: int) -> dict:
 
 
 def run_specjax(target, draft, prompts, new: int, k: int, batch: int) -> dict:
-    from specjax.experiments.measure import compile_sampler
+    from specjax.evaluation.measure import compile_sampler
     from specjax.models import split
     from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
 
@@ -208,9 +208,9 @@ def table(rows) -> str:
 
 def main(argv):
     del argv
-    from specjax.interop.early_exit import early_exit_draft
     from specjax.interop.gguf import import_gguf
     from specjax.interop.workdir import bundled_path
+    from specjax.models.early_exit import early_exit_draft
 
     new = _NEW.value or (24 if _QUICK.value else 64)
     k, n_layers = _K.value, _LAYERS.value

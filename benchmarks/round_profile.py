@@ -31,6 +31,7 @@ import functools
 import time
 
 from benchmarks.sampling import setup_cache
+from specjax import jsonio
 
 
 def _looped(fn, iters):
@@ -211,7 +212,6 @@ def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats
 
 
 def run(args) -> dict:
-    from specjax.experiments import report
     from specjax.sampling import SamplingConfig
 
     started = time.perf_counter()
@@ -234,7 +234,7 @@ def run(args) -> dict:
             result['points'].append(point)
             print(table([point]), flush=True)
     result['wall_s'] = time.perf_counter() - started
-    report.write_json(args.out, result)
+    jsonio.write_json(args.out, result)
     print(f'\nwrote {args.out} ({result["wall_s"]:.0f} s)')
     return result
 
@@ -244,7 +244,7 @@ ROWS = ('target step', 'draft step', 'verify call', 'catch-up', 'draft sample', 
 
 
 def table(points) -> str:
-    from specjax.experiments.report import markdown_table
+    from specjax.evaluation.tables import markdown_table
 
     lines = []
     for p in points:

@@ -30,6 +30,8 @@ import os
 import sys
 import time
 
+from specjax import jsonio
+
 # name: (vocab, d_model, n_layers, n_heads, d_ff) for target and draft; max_len.
 PRESETS = {
     'default': ((4096, 512, 6, 8, 1408), (4096, 256, 2, 4, 704), 256),
@@ -175,7 +177,7 @@ def bench_speculative(
 def run(args) -> dict:
     import jax
 
-    from specjax.experiments import measure, report
+    from specjax.evaluation import measure
     from specjax.sampling.calibrate import calibrate, cost_ratio, loop_overhead
 
     started = time.perf_counter()
@@ -231,14 +233,14 @@ def run(args) -> dict:
         print(f'batch {batch} done at {time.perf_counter() - started:.0f}s', file=sys.stderr)
     result['wall_s'] = time.perf_counter() - started
     result['jax_devices'] = [str(d) for d in jax.devices()]
-    report.write_json(args.out, result)
+    jsonio.write_json(args.out, result)
     print(tables(result))
     print(f'\nwrote {args.out} ({result["wall_s"]:.0f} s)')
     return result
 
 
 def tables(result: dict) -> str:
-    from specjax.experiments.report import markdown_table
+    from specjax.evaluation.tables import markdown_table
 
     lo_rows, vk_rows = [], []
     for b, lo in result['loop_overhead'].items():

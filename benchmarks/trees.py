@@ -28,6 +28,7 @@ import os
 import time
 
 from benchmarks.sampling import setup_cache
+from specjax import jsonio
 
 TREES = {
     'chain4 (tree)': ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)),
@@ -55,7 +56,7 @@ def load_pair(workdir: str, draft: str):
 def quickstart_prompts(size: str, per_domain: int, min_len: int, max_len: int):
     """Validation prefixes of the quickstart corpus (configs/quickstart.py:size=SIZE's data)."""
     from specjax.data import build_tokenizer
-    from specjax.experiments.prompts import make_prompts
+    from specjax.evaluation.prompts import make_prompts
 
     path = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
     spec = importlib.util.spec_from_file_location('_quickstart_config', path)
@@ -70,7 +71,6 @@ def run(args) -> dict:
     import jax
     import numpy as np
 
-    from specjax.experiments import report
     from specjax.models import split
     from specjax.sampling import (
         SamplingConfig,
@@ -158,14 +158,14 @@ def run(args) -> dict:
             result['points'].append(row)
     result['first_call_s'] = first_s
     result['wall_s'] = time.perf_counter() - started
-    report.write_json(args.out, result)
+    jsonio.write_json(args.out, result)
     print(table(result))
     print(f'\nwrote {args.out} ({result["wall_s"]:.0f} s)')
     return result
 
 
 def table(result: dict) -> str:
-    from specjax.experiments.report import markdown_table
+    from specjax.evaluation.tables import markdown_table
 
     fmt = lambda xs: ' '.join(f'{x:.2f}' for x in xs)
     rows = [

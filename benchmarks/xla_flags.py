@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from benchmarks.sampling import build_models, parser, setup_cache
+from specjax import jsonio
 
 XLA_FLAG_SETS = (
     '',
@@ -49,7 +50,8 @@ def compare_xla_flags(args) -> dict:
             continue
         with open(path) as f:
             out[flags or 'default'] = json.load(f)
-    from specjax.experiments.report import markdown_table, write_json
+    from specjax.evaluation.tables import markdown_table
+    from specjax.jsonio import write_json
 
     rows = []
     for flags, res in out.items():
@@ -68,7 +70,7 @@ def compare_xla_flags(args) -> dict:
 
 
 def only_vk(args) -> dict:
-    from specjax.experiments import measure, report
+    from specjax.evaluation import measure
     from specjax.sampling.calibrate import calibrate
 
     target, drafts = build_models(args.preset)
@@ -85,7 +87,7 @@ def only_vk(args) -> dict:
             repeats=args.repeats,
         )
         res['calibration'][str(batch)] = cal.to_dict()
-    report.write_json(args.out, res)
+    jsonio.write_json(args.out, res)
     return res
 
 

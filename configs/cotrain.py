@@ -22,7 +22,7 @@ import os
 import ml_collections
 
 from specjax.distill.config import default_distill_config, model_config, parse_arg
-from specjax.experiments.sweep_spec import ConfigRef
+from specjax.sweeps.spec import ConfigRef
 
 _DEFAULT_DRAFT = {'tiny': 'test', 'small': 'tiny', 'base': 'medium'}
 

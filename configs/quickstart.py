@@ -49,8 +49,8 @@ import os
 
 import ml_collections
 
-from specjax.experiments.sweep_spec import ConfigRef
 from specjax.models import presets
+from specjax.sweeps.spec import ConfigRef
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,7 +6,7 @@ Run it as configs/quickstart.py:model=smollm2 (or model=smollm2,size=tiny); need
   python -m specjax.main --config=configs/quickstart.py:model=smollm2 \
       --workdir=/tmp/specjax/quickstart_smollm2
 
-Stages (specjax.experiments.quickstart_smollm2): target (import, no training), teacher_cache
+Stages (specjax.quickstart.smollm2): target (import, no training), teacher_cache
 (the N = reduced_vocab_size most frequent SmolLM2 tokens of the corpus; SmolLM2's continuations
 of train-row prompts and its top-K log-probs over the N ids on them, computed once), draft_ce
 and draft_distilled (the same reduced-vocabulary draft, same steps and tokens per step:
@@ -23,7 +23,7 @@ import os
 
 import ml_collections
 
-from specjax.experiments.sweep_spec import ConfigRef
+from specjax.sweeps.spec import ConfigRef
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -134,7 +134,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'
-    c.model = 'smollm2'  # specjax.experiments.quickstart.stages_of dispatches on this
+    c.model = 'smollm2'  # specjax.quickstart.pipeline.stages_of dispatches on this
     c.size = size
     c.stages = 'all'
     c.compilation_cache = '~/.cache/specjax/jax-cache'

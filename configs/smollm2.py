@@ -18,7 +18,7 @@ import os
 
 import ml_collections
 
-from specjax.experiments.sweep_spec import ConfigRef
+from specjax.sweeps.spec import ConfigRef
 
 TARGET_WORKDIR = '/tmp/specjax/smollm2'
 DRAFT_WORKDIR = '/tmp/specjax/smollm2_exit4'

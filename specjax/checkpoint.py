@@ -19,7 +19,6 @@ never deleted. A training run that resumes past broken steps moves them to
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -32,11 +31,13 @@ from etils import epath
 from flax import nnx
 
 from specjax import workdir as workdir_lib
+from specjax.jsonio import first_difference, to_json
 from specjax.workdir import ConfigMismatch
 
 CHECKPOINT_DIR = 'checkpoints'
 BROKEN_DIR = 'checkpoints_broken'
 # Files every committed step has (orbax's step metadata, then each item's own metadata).
+IMPORT_STEP = 0  # the one step of a workdir written by write_workdir (import, early exit)
 _REQUIRED_FILES = ('_CHECKPOINT_METADATA', 'state/_METADATA', 'data/metadata', 'meta/metadata')
 
 
@@ -49,31 +50,6 @@ def checkpoint_dir(workdir) -> str:
     return os.fspath(workdir_lib.path(workdir) / CHECKPOINT_DIR)
 
 
-def to_json(value) -> Any:
-    """Normalises a value (ConfigDict, tuples, numpy scalars) to what JSON gives back."""
-    if hasattr(value, 'to_json_best_effort'):
-        return json.loads(value.to_json_best_effort())
-
-    def as_plain(o):
-        if hasattr(o, 'to_json_best_effort'):  # a ConfigDict nested in a dict
-            return json.loads(o.to_json_best_effort())
-        return o.item() if hasattr(o, 'item') else str(o)
-
-    return json.loads(json.dumps(value, default=as_plain))
-
-
-def first_difference(saved, current, path: str) -> tuple[str, Any, Any] | None:
-    """The first (path, saved, current) where two JSON values differ, or None."""
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current), key=str):
-            diff = first_difference(saved.get(key), current.get(key), f'{path}.{key}')
-            if diff:
-                return diff
-        return None
-    return None if saved == current else (path, saved, current)
-
-
-@jax.jit
 def _all_finite(tree):
     leaves = [
         jnp.all(jnp.isfinite(x))
@@ -357,3 +333,27 @@ def load_model(
     finally:
         ckpts.close()
     return model, meta
+
+
+def write_workdir(model, tokenizer, workdir: str, *, source: dict, mode: str = 'import') -> str:
+    """Saves `model` and `tokenizer` as a workdir that load_model reads; refuses to overwrite."""
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    ckpts = Checkpoints(workdir, async_save=False)
+    try:
+        if ckpts.all_steps():
+            raise ValueError(
+                f'--workdir={workdir} already holds checkpoints {ckpts.all_steps()}; use a new one'
+            )
+        _, params = nnx.split(model)
+        metadata = {
+            'model_config': model.config.to_dict(),
+            'tokenizer': tokenizer.identity(),
+            'mode': mode,
+            'source': source,
+            'num_params': model.config.num_params,
+        }
+        ckpts.save(IMPORT_STEP, {'params': params}, data_state={}, metadata=metadata)
+    finally:
+        ckpts.close()
+    tokenizer.save(workdir)
+    return workdir

@@ -12,7 +12,7 @@ in-process, provided it runs before XLA's thread pools start.
 It is not for every process: with one arena, multi-threaded work contends for the heap lock.
 spec_ce (mostly compiling) took 151 s instead of 115 s of wall time with it, and a 2-core
 pretraining run gained nothing. So only the quickstart's side-by-side training processes
-(specjax.experiments.stage_runner), each a small model's step on about one core, apply it.
+(specjax.quickstart.stage_runner), each a small model's step on about one core, apply it.
 Freed memory then stays with the process until it exits. `SPECJAX_MALLOC=system` keeps glibc's
 defaults there too.
 """

@@ -24,9 +24,9 @@ MODES = {
     'pretrain': 'specjax.train.pretrain:pretrain',
     'distill': 'specjax.distill.distill_mode:run_distill',
     'cotrain': 'specjax.distill.cotrain:run_cotrain',
-    'spec_eval': 'specjax.experiments.spec_eval:run',
-    'sweep': 'specjax.experiments.sweep:run',
-    'quickstart': 'specjax.experiments.quickstart:run',
+    'spec_eval': 'specjax.evaluation.spec_eval:run',
+    'sweep': 'specjax.sweeps.runner:run',
+    'quickstart': 'specjax.quickstart.pipeline:run',
 }
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file: path[:arg].')

@@ -37,6 +37,8 @@ from typing import Any
 from absl import logging
 from etils import epath
 
+from specjax.jsonio import to_json, write_text
+
 LOCK_FILE = '.lock'
 RESULTS_FILE = 'results.json'
 PREEMPTED_EXIT_CODE = 42  # SIGTERM -> checkpoint committed -> exit 42; rerun to resume
@@ -225,8 +227,6 @@ def _ignored(field: str) -> bool:
 
 def relevant_config(config) -> dict[str, Any]:
     """Dotted field -> JSON value of every result-changing field of `config`."""
-    from specjax.checkpoint import to_json
-
     return {
         k: v
         for k, v in _flatten(to_json(config)).items()
@@ -314,8 +314,6 @@ def write_results(
     mode is kept as <stem>.step<N>.json (N its 'step'), once, so a rerun never loses the first
     result.
     """
-    from specjax.checkpoint import to_json
-
     root = path(workdir)
     file = root / name
     if _process_index() != 0:
@@ -329,7 +327,5 @@ def write_results(
         if not backup.exists():
             file.replace(backup)
     out = dict(results, mode=mode, config=to_json(config), config_hash=config_hash(config))
-    tmp = root / (name + '.tmp')
-    tmp.write_text(json.dumps(out, indent=2, sort_keys=True, default=str))
-    tmp.replace(file)
+    write_text(file, json.dumps(out, indent=2, sort_keys=True, default=str))
     return os.fspath(file)

@@ -13,11 +13,11 @@ import shutil
 import pytest
 from data_fixtures import prepared_stdlib_dir
 
-from specjax.experiments import sweep
-from specjax.experiments.aggregate import fmt
-from specjax.experiments.sweep_spec import ConfigRef, plan_sweep, point_dir
 from specjax.main import resolve_mode
 from specjax.models import TransformerConfig, presets
+from specjax.sweeps import runner as sweep
+from specjax.sweeps.aggregate import fmt
+from specjax.sweeps.spec import ConfigRef, plan_sweep, point_dir
 from specjax.train.runs import train_flops
 
 _ABLATIONS = os.path.join(os.path.dirname(__file__), '..', 'configs', 'ablations')

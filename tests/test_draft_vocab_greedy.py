@@ -152,7 +152,7 @@ def test_serving_a_reduced_draft_alone_gives_its_argmax_in_target_ids(models):
     """The serve stage's draft-alone path (serving.alone_inputs / alone_tokens around the
     autoregressive sampler): target-id prompts in, target-id tokens out, each the draft's own
     greedy argmax mapped through draft_vocab_ids."""
-    from specjax.experiments import serving
+    from specjax.evaluation import serving
     from specjax.sampling import make_autoregressive_fn
 
     _, drafts = models

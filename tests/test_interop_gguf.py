@@ -184,7 +184,7 @@ def test_bundled_model_without_its_wheel_names_the_pip_command(monkeypatch):
 
 
 def test_a_draft_with_another_vocabulary_is_refused_before_loading():
-    from specjax.experiments.pairs import check_identities
+    from specjax.evaluation.pairs import check_identities
 
     ident = {'kind': 'huggingface', 'vocab_size': 264, 'hash': 'x'}
     target = {'tokenizer': ident, 'model_config': {'vocab_size': 264}}
@@ -197,7 +197,7 @@ def test_a_draft_with_another_vocabulary_is_refused_before_loading():
 
 
 def test_early_exit_draft_is_the_targets_first_layers(imported):
-    from specjax.interop.early_exit import early_exit_draft
+    from specjax.models.early_exit import early_exit_draft
 
     model, _ = imported
     draft = early_exit_draft(model, 2)

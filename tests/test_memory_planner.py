@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from specjax.parallel.memory import DEVICE_MEMORY_GIB, GIB, Item, MemoryPlan, device_bytes
+from specjax.preflight.memory_plan import DEVICE_MEMORY_GIB, GIB, Item, MemoryPlan, device_bytes
 
 _SCRIPT = textwrap.dedent(
     """
@@ -17,8 +17,8 @@ _SCRIPT = textwrap.dedent(
   import jax, numpy as np
   from specjax.models import init_cache
   from specjax.parallel import make_mesh
-  from specjax.parallel.memory import cache_item, cache_shardings
-  from specjax.parallel.plans import plan_for_config
+  from specjax.preflight.memory_plan import cache_item, cache_shardings
+  from specjax.preflight.plans import plan_for_config
   from specjax.train.optimizer import make_optimizer
   from specjax.train.state import plan_train_state
   from specjax.models import TransformerConfig
@@ -103,7 +103,7 @@ def test_fits_and_unknown_device():
 def test_unknown_mode_and_missing_workdir_name_the_field():
     import ml_collections
 
-    from specjax.parallel.plans import plan_for_config
+    from specjax.preflight.plans import plan_for_config
 
     with pytest.raises(ValueError, match='config.mode'):
         plan_for_config(ml_collections.ConfigDict({'mode': 'sweep'}), mesh=object())

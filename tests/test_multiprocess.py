@@ -1,6 +1,6 @@
 """Two local processes x 2 CPU devices (jax.distributed, gloo) agree with one process x 4 devices.
 
-launch/local_multiprocess.sh starts specjax.parallel.selfcheck on 2 processes while the same
+launch/local_multiprocess.sh starts specjax.preflight.selfcheck on 2 processes while the same
 module runs alone on 4 simulated devices (both at once: the machine has few cores). Each run
 takes sharded LM train steps, a distill step on teacher-generated data from host-local prompts,
 a T = 1 speculative sampling call on host-local prompts (draft replicated by draft rules) and
@@ -53,7 +53,7 @@ def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
         ['bash', str(REPO / 'launch/local_multiprocess.sh'), '2', '2', '--', f'--workdir={multi}'],
         env=_env(
             SPECJAX_PYTHON=sys.executable,
-            SPECJAX_MODULE='specjax.parallel.selfcheck',
+            SPECJAX_MODULE='specjax.preflight.selfcheck',
             SPECJAX_LOG_DIR=str(tmp_path / 'logs'),
             SPECJAX_MAX_RESTARTS='0',
         ),
@@ -63,7 +63,7 @@ def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
         text=True,
     )
     ref = subprocess.run(
-        [sys.executable, '-m', 'specjax.parallel.selfcheck', f'--workdir={single}'],
+        [sys.executable, '-m', 'specjax.preflight.selfcheck', f'--workdir={single}'],
         env=_env(JAX_NUM_CPU_DEVICES='4'),
         cwd=tmp_path,
         capture_output=True,

@@ -44,7 +44,7 @@ def configured(name, arg, data_dir, **fields):
 
 def test_readme_pipeline_with_sigterm_exit_status(toy_data_dir, tmp_path, monkeypatch):
     from specjax.distill import distill_mode
-    from specjax.experiments import spec_eval
+    from specjax.evaluation import spec_eval
 
     target_wd, draft_wd = str(tmp_path / 'target_tiny'), str(tmp_path / 'distill_test')
     # 1. pretrain, as the README's command, stopped by SIGTERM: exit 42 after the checkpoint.

@@ -15,8 +15,10 @@ import time
 import pytest
 from data_fixtures import prepared_stdlib_dir
 
-from specjax.experiments import quickstart, quickstart_report, stage_runner
-from specjax.experiments.report import fmt
+from specjax.evaluation.tables import fmt
+from specjax.quickstart import pipeline as quickstart
+from specjax.quickstart import report as quickstart_report
+from specjax.quickstart import stage_runner
 from specjax.sampling import stats as st
 
 _CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
@@ -228,7 +230,7 @@ def test_plots_select_no_backend_and_say_when_matplotlib_is_missing(tmp_path, mo
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, '-c', code, str(tmp_path)], check=True, env=env)
     assert os.path.getsize(tmp_path / 'x.png') > 0
-    from specjax.experiments import plots
+    from specjax.sweeps import plots
 
     monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)  # import fails as if absent
     with pytest.raises(ImportError, match='pip install matplotlib'):

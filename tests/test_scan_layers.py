@@ -192,7 +192,7 @@ def test_tree_sampler_gives_the_same_tokens():
 
 def test_checkpoints_load_into_either_layout(pair, tmp_path):
     from specjax.checkpoint import Checkpoints, load_model
-    from specjax.interop.early_exit import early_exit_draft
+    from specjax.models.early_exit import early_exit_draft
 
     for model, name in ((pair[0], 'flat'), (pair[1], 'stacked')):
         ckpts = Checkpoints(tmp_path / name, async_save=False)

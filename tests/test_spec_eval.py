@@ -11,9 +11,9 @@ import pytest
 from data_fixtures import prepare_toy, toy_data_config, toy_documents
 
 from specjax.data import ByteTokenizer
-from specjax.experiments import spec_eval
-from specjax.experiments.pairs import check_identities
-from specjax.experiments.prompts import make_prompts
+from specjax.evaluation import spec_eval
+from specjax.evaluation.pairs import check_identities
+from specjax.evaluation.prompts import make_prompts
 
 _CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'spec_eval.py')
 

@@ -16,8 +16,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from specjax.experiments import aggregate, sweep
-from specjax.experiments.sweep_spec import ConfigRef, format_override, plan_sweep
+from specjax.sweeps import aggregate
+from specjax.sweeps import runner as sweep
+from specjax.sweeps.spec import ConfigRef, format_override, plan_sweep
 
 BASE = """
 import ml_collections

@@ -51,7 +51,7 @@ app.run(main)
 DRIVER = """
 import sys
 import ml_collections
-from specjax.experiments import sweep
+from specjax.sweeps import runner as sweep
 base, entry, workdir = sys.argv[1:]
 c = ml_collections.ConfigDict()
 c.mode = 'sweep'

@@ -12,7 +12,7 @@ import ml_collections
 import pytest
 
 from specjax import main
-from specjax.experiments import spec_eval
+from specjax.evaluation import spec_eval
 from specjax.workdir import check_results_owner, config_hash, write_results
 
 ROOT = pathlib.Path(__file__).parents[1]

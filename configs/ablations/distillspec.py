@@ -37,7 +37,7 @@ import os
 import ml_collections
 
 from specjax.distill.results import HEADLINE_METRICS
-from specjax.experiments.sweep import default_sweep_config
+from specjax.sweeps.runner import default_sweep_config
 
 _CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +66,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     target, target_steps, draft, steps, warmup, new_tokens = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'sweep'  # specjax.main dispatches on this
-    c.sweep = default_sweep_config()  # runner fields: see specjax/experiments/sweep.py
+    c.sweep = default_sweep_config()  # runner fields: see specjax/sweeps/runner.py
     c.sweep.base = os.path.join(_CONFIGS, f'distill.py:size={draft}')  # every point
     c.sweep.prereqs = (
         {

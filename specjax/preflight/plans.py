@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import TransformerConfig
-from specjax.parallel.memory import (
+from specjax.parallel.mesh import mesh_rules
+from specjax.parallel.sharding import batch_sharding, param_shardings
+from specjax.preflight.memory_plan import (
     MemoryPlan,
     abstract_params,
     cache_item,
@@ -20,8 +22,6 @@ from specjax.parallel.memory import (
     optimizer_item,
     params_item,
 )
-from specjax.parallel.mesh import mesh_rules
-from specjax.parallel.sharding import batch_sharding, param_shardings
 
 
 def _int_batch(shape, sharding, keys, dtypes=None):

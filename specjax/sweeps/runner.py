@@ -1,7 +1,7 @@
 """Sweep runner: prerequisites once, then every (configuration, seed) point in its own process.
 
 Run as `python -m specjax.main --config=configs/ablations/<name>.py[:arg] --workdir=DIR`
-(config.mode == 'sweep'; the section is described in specjax/experiments/sweep_spec.py).
+(config.mode == 'sweep'; the section is described in specjax/sweeps/spec.py).
 
 Layout under DIR: prereq/<name>/ and points/<point>/, each with `sweep.log` (command line and
 the process's output, appended per attempt) and `sweep_status.json` (status, command, timing, the
@@ -41,9 +41,10 @@ from collections.abc import Callable
 
 import ml_collections
 
+from specjax import jsonio
 from specjax import workdir as workdir_lib
-from specjax.experiments import aggregate
-from specjax.experiments.sweep_spec import (
+from specjax.sweeps import aggregate
+from specjax.sweeps.spec import (
     LOG_FILE,
     RESULTS_FILE,
     STATUS_FILE,
@@ -191,11 +192,7 @@ def is_complete(workdir: str, run: Run) -> bool:
 
 
 def _write_json(path: str, obj) -> None:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write('\n')
-    os.replace(tmp, path)
+    jsonio.write_text(path, json.dumps(obj, indent=2, sort_keys=False) + '\n')
 
 
 def _children_cpu_s() -> float:

@@ -1,41 +1,11 @@
-"""Reporting helpers for experiment modes: JSON-safe values, atomic writes, markdown tables."""
+"""Table cells and labels for reports: formatted numbers, markdown tables, sampling labels."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
-from etils import epath
-
-
-def jsonable(obj):
-    """numpy, tuples, ConfigDicts and NaN/Inf -> plain JSON values (NaN/Inf become None)."""
-    if hasattr(obj, 'to_dict') and callable(obj.to_dict):
-        return jsonable(obj.to_dict())
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        return jsonable(obj.item())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
-def write_json(path: str, obj) -> str:
-    """Writes jsonable(obj) to path (local or gs://, via etils.epath) by a temporary file."""
-    file = epath.Path(path if '://' in os.fspath(path) else os.path.abspath(path))
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.parent / (file.name + '.tmp')
-    tmp.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=False))
-    tmp.replace(file)
-    return path
 
 
 def fmt(x, digits: int = 3) -> str:

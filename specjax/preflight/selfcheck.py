@@ -1,7 +1,7 @@
 r"""A multi-process self-check: tiny sharded runs whose results must not depend on process count.
 
   launch/local_multiprocess.sh 2 2 -- --workdir=/tmp/selfcheck      # SPECJAX_MODULE=this module
-  python -m specjax.parallel.selfcheck --workdir=/tmp/selfcheck_1   # one process, same devices
+  python -m specjax.preflight.selfcheck --workdir=/tmp/selfcheck_1   # one process, same devices
 
 On every process: jax.distributed start-up (specjax.parallel.distributed), a mesh over all global
 devices, then with tiny random models (identical on every process, placed by the rules):
@@ -194,8 +194,8 @@ def pair_evaluations(target_gd, target, draft_gd, draft, mesh, rules, draft_rule
     import ml_collections
 
     from specjax.distill.evaluation import Evaluator
-    from specjax.experiments import spec_eval
-    from specjax.experiments.prompts import Prompts
+    from specjax.evaluation import spec_eval
+    from specjax.evaluation.prompts import Prompts
     from specjax.models import merge
     from specjax.sampling import SamplingConfig
     from specjax.sampling import stats as st

@@ -22,11 +22,12 @@ import os
 import jax
 import numpy as np
 
+from specjax import jsonio
 from specjax.checkpoint import load_model
 from specjax.data import build_tokenizer
-from specjax.experiments import measure, report
-from specjax.experiments.pairs import draft_vocab_ids
-from specjax.experiments.prompts import make_prompts
+from specjax.evaluation import measure
+from specjax.evaluation.pairs import draft_vocab_ids
+from specjax.evaluation.prompts import make_prompts
 from specjax.models import split
 from specjax.parallel import make_mesh
 from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
@@ -188,5 +189,5 @@ def run(config, workdir: str, root: str) -> dict:
         'process_memory': measure.process_memory(),
     }
     os.makedirs(workdir, exist_ok=True)
-    report.write_json(os.path.join(workdir, 'serve.json'), result)
+    jsonio.write_json(os.path.join(workdir, 'serve.json'), result)
     return result

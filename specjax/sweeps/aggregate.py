@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from specjax.experiments.sweep_spec import RESULTS_FILE, point_dir, read_status, sha256_file
+from specjax.sweeps.spec import RESULTS_FILE, point_dir, read_status, sha256_file
 
 
 def bootstrap_ci(values, *, confidence=0.95, resamples=2000, seed=0) -> tuple[float, float]:

@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 
-from specjax.experiments import quickstart_report as qr
-from specjax.experiments.plots import new_figure
+from specjax.quickstart import report as qr
+from specjax.sweeps.plots import new_figure
 
 _MAIN = ('T=0', 'T=1,top_k=0,top_p=1')
 

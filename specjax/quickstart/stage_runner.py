@@ -20,7 +20,7 @@ import time
 import traceback
 from multiprocessing import connection
 
-from specjax.experiments import report as report_lib
+from specjax import jsonio
 
 RUN_FILE = 'quickstart.json'
 LOG_FILE = 'log.txt'
@@ -63,7 +63,7 @@ def record_run(workdir, name, seconds, cpu_seconds, beside=(), total=None) -> No
         record['total_seconds'] = total
     record['load_average'] = os.getloadavg()
     record['cpu_count'] = os.cpu_count()
-    report_lib.write_json(os.path.join(workdir, RUN_FILE), record)
+    jsonio.write_json(os.path.join(workdir, RUN_FILE), record)
 
 
 class Progress:
@@ -115,7 +115,7 @@ def _child(config, name, wd, workdir, log_path, cache_dir, conn) -> None:
     from absl import logging
 
     from specjax import host_malloc
-    from specjax.experiments import quickstart
+    from specjax.quickstart import pipeline as quickstart
     from specjax.train.metrics import quiet_libraries
 
     host_malloc.configure()

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import ml_collections
 
-from specjax.experiments import report as report_lib
-from specjax.experiments import stage_runner
+from specjax import jsonio
+from specjax.quickstart import stage_runner
 
 STAGE_FILE = 'quickstart_stage.json'
 RUN_FILE = stage_runner.RUN_FILE
@@ -63,7 +63,7 @@ def _cotrain(cfg, wd, root):
 
 def _spec_eval(target: str, draft: str, cotrained: bool):
     def run(cfg, wd, root):
-        from specjax.experiments import spec_eval
+        from specjax.evaluation import spec_eval
 
         cfg.target_workdir = os.path.join(root, target)
         cfg.draft_workdir = os.path.join(root, draft)
@@ -75,13 +75,13 @@ def _spec_eval(target: str, draft: str, cotrained: bool):
 
 
 def _serve(cfg, wd, root):
-    from specjax.experiments import serving
+    from specjax.evaluation import serving
 
     serving.run(cfg, wd, root)
 
 
 def _report(cfg, wd, root):
-    from specjax.experiments import quickstart_report
+    from specjax.quickstart import report as quickstart_report
 
     quickstart_report.write(root)
 
@@ -146,7 +146,7 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 def stages_of(config) -> tuple[Stage, ...]:
     """The preset's stages: STAGES, or SmolLM2's (config.model='smollm2')."""
     if config.get('model', 'embedded') == 'smollm2':
-        from specjax.experiments import quickstart_smollm2
+        from specjax.quickstart import smollm2 as quickstart_smollm2
 
         return quickstart_smollm2.stages(config)
     return STAGES
@@ -175,17 +175,15 @@ def stage_config(config, stage: Stage):
 
 
 def _identity(cfg) -> dict:
-    return json.loads(json.dumps(report_lib.jsonable(cfg.to_dict()), sort_keys=True))
+    return json.loads(json.dumps(jsonio.jsonable(cfg.to_dict()), sort_keys=True))
 
 
-def _first_difference(saved, current, path='') -> str | None:
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current)):
-            diff = _first_difference(saved.get(key), current.get(key), f'{path}.{key}')
-            if diff:
-                return diff
+def _first_difference(saved, current) -> str | None:
+    diff = jsonio.first_difference(saved, current)
+    if diff is None:
         return None
-    return None if saved == current else f'{path[1:]}: {saved!r} in the workdir, {current!r} now'
+    path, old, new = diff
+    return f'{path[1:]}: {old!r} in the workdir, {new!r} now'
 
 
 def selected(config) -> list[Stage]:
@@ -262,7 +260,7 @@ def run(config, workdir: str) -> dict:
     stages = selected(config)
     check_plotting()
     if config.get('model', 'embedded') == 'smollm2':
-        from specjax.experiments import quickstart_smollm2
+        from specjax.quickstart import smollm2 as quickstart_smollm2
 
         quickstart_smollm2.check_available(config.target.source)
         quickstart_smollm2.check_config(config)
@@ -285,7 +283,7 @@ def run(config, workdir: str) -> dict:
         if stage.name == 'report':  # the report states the time from start to report
             stage_runner.record_run(workdir, '', 0, 0, total=before + progress.elapsed())
         else:
-            report_lib.write_json(
+            jsonio.write_json(
                 os.path.join(wd, STAGE_FILE), {'stage': stage.name, 'config': _identity(cfg)}
             )
         return cfg, wd

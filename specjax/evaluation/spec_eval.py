@@ -24,11 +24,13 @@ import time
 import jax
 import numpy as np
 
+from specjax import jsonio
 from specjax import workdir as workdir_lib
 from specjax.data import build_tokenizer
-from specjax.experiments import measure, report
-from specjax.experiments.pairs import draft_vocab_ids, load_models
-from specjax.experiments.prompts import Prompts, make_prompts
+from specjax.evaluation import measure
+from specjax.evaluation import tables as report
+from specjax.evaluation.pairs import draft_vocab_ids, load_models
+from specjax.evaluation.prompts import Prompts, make_prompts
 from specjax.models import split
 from specjax.parallel import is_main_process, make_mesh, to_host
 from specjax.parallel.mesh import mesh_rules
@@ -407,8 +409,8 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
         'wall_s': time.perf_counter() - started,
     }
     if is_main_process():  # results and reports from process 0 only
-        report.write_json(os.fspath(workdir_lib.path(workdir) / 'spec_eval.json'), result)
-        headline_json = report.jsonable(headline(result))  # NaN -> null, as before
+        jsonio.write_json(os.fspath(workdir_lib.path(workdir) / 'spec_eval.json'), result)
+        headline_json = jsonio.jsonable(headline(result))  # NaN -> null, as before
         workdir_lib.write_results(workdir, 'spec_eval', headline_json, config, keep_previous=False)
         print(table_markdown(result), flush=True)
     return result

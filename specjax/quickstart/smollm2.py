@@ -1,6 +1,6 @@
 """The quickstart's stages with SmolLM2-135M (imported, never trained here) as the target.
 
-configs/quickstart.py:model=smollm2 selects these stages (specjax.experiments.quickstart runs
+configs/quickstart.py:model=smollm2 selects these stages (specjax.quickstart.pipeline runs
 them alike: each in <workdir>/<stage>, finished when its results file exists):
   target           python -m specjax.interop import --source=smollm2-135m, as a stage
   teacher_cache    once: the N most frequent SmolLM2 tokens of the embedded corpus' train split
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from specjax.experiments import report as report_lib
+from specjax import jsonio
 
 
 def check_available(source: str) -> None:
@@ -103,7 +103,7 @@ def run_import(cfg, wd, root):
         'source': summary['source'],
         'seconds': summary['seconds'],
     }
-    report_lib.write_json(os.path.join(wd, 'results.json'), results)
+    jsonio.write_json(os.path.join(wd, 'results.json'), results)
 
 
 def run_teacher_cache(cfg, wd, root):
@@ -191,7 +191,7 @@ def run_teacher_cache(cfg, wd, root):
         'cache_bytes': int(os.path.getsize(os.path.join(wd, rt.CACHE_FILE))),
         'seconds': time.perf_counter() - started,
     }
-    report_lib.write_json(os.path.join(wd, 'cache.json'), results)
+    jsonio.write_json(os.path.join(wd, 'cache.json'), results)
 
 
 def run_draft(cfg, wd, root):
@@ -210,7 +210,7 @@ def run_draft(cfg, wd, root):
         cache = json.load(f)
     results['target_val_loss'] = cache['target_val_loss']
     results['num_params_target'] = _target_params(root)
-    report_lib.write_json(os.path.join(wd, 'results.json'), results)
+    jsonio.write_json(os.path.join(wd, 'results.json'), results)
 
 
 def _target_params(root: str) -> int:
@@ -222,7 +222,7 @@ def _target_params(root: str) -> int:
 
 def spec_eval_stage(draft: str):
     def run(cfg, wd, root):
-        from specjax.experiments import spec_eval
+        from specjax.evaluation import spec_eval
 
         cfg = _with_tokenizer(cfg, root)
         cfg.target_workdir = os.path.join(root, 'target')
@@ -233,16 +233,16 @@ def spec_eval_stage(draft: str):
 
 
 def run_serve(cfg, wd, root):
-    from specjax.experiments import serving
+    from specjax.evaluation import serving
 
     serving.run(_with_tokenizer(cfg, root), wd, root)
 
 
 def stages(config=None):
-    """The Stage tuple of this preset (specjax.experiments.quickstart.Stage). serve needs
+    """The Stage tuple of this preset (specjax.quickstart.pipeline.Stage). serve needs
     spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
     spec_eval stages."""
-    from specjax.experiments.quickstart import Stage, _report
+    from specjax.quickstart.pipeline import Stage, _report
 
     drafts = ('target', 'teacher_cache')
     fixed_k = config is not None and int(config.serve.k) > 0
