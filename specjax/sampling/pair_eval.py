@@ -54,7 +54,7 @@ def row_table(outputs, columns=None) -> dict[str, np.ndarray]:
 def point(table, k: int, cal=None) -> dict:
     """Summary of a row table at draft length k, with the predicted speedups (see module doc)."""
     summary = st.summarize(st.reduce_rows(table))
-    cost = k * cal.c + cal.v[k] if cal is not None else math.nan
+    cost = st.round_cost(k, cal.c, cal.v) if cal is not None else math.nan
     return dict(
         summary,
         round_cost=cost,

@@ -103,11 +103,16 @@ def expected_block_efficiency(alpha, k):
     return float(out) if out.ndim == 0 else out
 
 
-def predicted_speedup(tau, k: int, c: float, v: Mapping[int, float] | float) -> float:
-    """tau / (k c + v(k)): a round costs k draft steps and one (k+1)-token verification, in
-    units of one target step; v is a mapping k -> v(k) or a number."""
+def round_cost(k: int, c: float, v: Mapping[int, float] | float) -> float:
+    """k c + v(k): one round's cost in target steps (k draft steps and one (k+1)-token
+    verification); v is a mapping k -> v(k) or a number. The one round-cost model of specjax."""
     vk = v[k] if isinstance(v, Mapping) else v
-    return safe_ratio(tau, k * float(c) + float(vk))
+    return k * float(c) + float(vk)
+
+
+def predicted_speedup(tau, k: int, c: float, v: Mapping[int, float] | float) -> float:
+    """tau / round_cost(k, c, v): tokens per round over the round's cost in target steps."""
+    return safe_ratio(tau, round_cost(k, c, v))
 
 
 def predicted_speedups(alpha: float, c: float, v: Mapping[int, float]) -> dict[int, float]:
@@ -135,7 +140,7 @@ def alpha_for_tau(tau: float, k: int) -> float | None:
 def required_alpha(k: int, c: float, v_k: float, speedup: float = 1.0) -> float | None:
     """The alpha at which E[tau](alpha, k) / (k c + v(k)) equals `speedup`: 0.0 when even
     alpha = 0 reaches it, None when even alpha = 1 (tau = k + 1) does not."""
-    return alpha_for_tau(speedup * (k * c + v_k), k)
+    return alpha_for_tau(speedup * round_cost(k, c, v_k), k)
 
 
 def optimal_k(alpha: float, c: float, v: Mapping[int, float]) -> int:
