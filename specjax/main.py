@@ -3,8 +3,10 @@
   python -m specjax.main --config=configs/x.py:arg --workdir=DIR [--config.a.b=v]
 
 Loads the ml_collections config, then calls the library function for `config.mode` with
-(config, workdir). Exit status: 0 done, PREEMPTED_EXIT_CODE (42) stopped by SIGTERM after the
-checkpoint was committed (rerun to resume), anything else a failure.
+(config, workdir); every mode opens its workdir through specjax.workdir.opened and returns a
+result that specjax.workdir.was_preempted reads. Exit status: 0 done, PREEMPTED_EXIT_CODE (42)
+stopped by SIGTERM after the checkpoint was committed (rerun to resume), anything else a
+failure.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ml_collections import config_flags
 
 from specjax.parallel.distributed import initialize_from_env
 from specjax.train.metrics import quiet_libraries
-from specjax.workdir import PREEMPTED_EXIT_CODE, die_with_runner
+from specjax.workdir import PREEMPTED_EXIT_CODE, die_with_runner, was_preempted
 
 # mode -> 'module:function' taking (config, workdir); imported only when chosen.
 MODES = {
@@ -77,9 +79,7 @@ def main(argv):
         config.to_json_best_effort(sort_keys=True),
     )
     result = run(config, _WORKDIR.value)
-    stages = result.values() if config.mode == 'quickstart' else ()  # {stage: status}
-    preempted = isinstance(result, dict) and (result.get('preempted') or 'preempted' in stages)
-    if preempted:
+    if was_preempted(result):
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is committed; launchers restart on this
 
 

@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
@@ -302,6 +303,26 @@ def check_results_owner(workdir: str, mode: str, name: str = RESULTS_FILE) -> No
             f'{file} was written by mode {owner!r}, not {mode!r}; it is never replaced. '
             f'Give the {mode} run its own --workdir'
         )
+
+
+@contextlib.contextmanager
+def opened(workdir, mode: str, results: tuple[str, ...] = (RESULTS_FILE,)):
+    """The one workdir handle of every mode: yields the resolved workdir while holding its lock
+    (WorkdirBusy naming the holder otherwise), after refusing it when any of `results` there
+    was written by another mode. Re-entrant within a process (hold is)."""
+    workdir = resolve(workdir)
+    with hold(workdir, mode):
+        for name in results:
+            check_results_owner(workdir, mode, name)
+        yield workdir
+
+
+def was_preempted(result) -> bool:
+    """Whether a mode's result says it stopped early on SIGTERM (checkpoint committed): a
+    results mapping with 'preempted' true, or an object whose .preempted is true."""
+    if isinstance(result, Mapping):
+        return bool(result.get('preempted'))
+    return bool(getattr(result, 'preempted', False))
 
 
 def write_results(

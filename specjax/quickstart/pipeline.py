@@ -18,129 +18,24 @@ import dataclasses
 import importlib.util
 import json
 import os
-from collections.abc import Callable
 
 import ml_collections
 
 from specjax import jsonio
 from specjax.quickstart import stage_runner
+from specjax.quickstart.stages import STAGE_NAMES, STAGES, Stage  # noqa: F401 (STAGE_NAMES re-exported)
 
 STAGE_FILE = 'quickstart_stage.json'
 RUN_FILE = stage_runner.RUN_FILE
 
 
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    name: str
-    section: str  # config section holding the stage's config ('' = none)
-    results: str  # file in the stage workdir whose presence means finished
-    prereqs: tuple[str, ...]
-    run: Callable  # (stage_config, stage_workdir, workdir) -> None
-    concurrent: bool = False  # training: may run beside other concurrent stages (stage_runner)
-    after: tuple[str, ...] = ()  # run after these when selected (e.g. to reuse their compiles)
+class StageOutcomes(dict):
+    """{stage: 'ran' | 'reused' | 'preempted'}, the quickstart mode's result; `.preempted` is
+    what specjax.main reads (specjax.workdir.was_preempted)."""
 
-
-def _pretrain(cfg, wd, root):
-    from specjax.train.pretrain import pretrain
-
-    pretrain(cfg, wd)
-
-
-def _distill(cfg, wd, root):
-    from specjax.distill.distill_mode import run_distill
-
-    cfg.distill.teacher_workdir = os.path.join(root, 'target')
-    run_distill(cfg, wd)
-
-
-def _cotrain(cfg, wd, root):
-    from specjax.distill.cotrain import run_cotrain
-
-    if cfg.init.target_step > 0:
-        cfg.init.target_workdir = os.path.join(root, 'target')
-    run_cotrain(cfg, wd)
-
-
-def _spec_eval(target: str, draft: str, cotrained: bool):
-    def run(cfg, wd, root):
-        from specjax.evaluation import spec_eval
-
-        cfg.target_workdir = os.path.join(root, target)
-        cfg.draft_workdir = os.path.join(root, draft)
-        if cotrained:
-            cfg.draft_params_key, cfg.draft_config_key = 'draft_params', 'draft_config'
-        spec_eval.run(cfg, wd)
-
-    return run
-
-
-def _serve(cfg, wd, root):
-    from specjax.evaluation import serving
-
-    serving.run(cfg, wd, root)
-
-
-def _report(cfg, wd, root):
-    from specjax.quickstart import report as quickstart_report
-
-    quickstart_report.write(root)
-
-
-STAGES = (
-    Stage('target', 'target', 'results.json', (), _pretrain),
-    Stage('draft_ce', 'draft_ce', 'results.json', ('target',), _distill, concurrent=True),
-    Stage(
-        'draft_distilled', 'draft_distilled', 'results.json', ('target',), _distill, concurrent=True
-    ),
-    Stage('cotrain', 'cotrain', 'results.json', ('target',), _cotrain, concurrent=True),
-    Stage(
-        'spec_ce',
-        'spec_eval',
-        'spec_eval.json',
-        ('target', 'draft_ce'),
-        _spec_eval('target', 'draft_ce', False),
-    ),
-    Stage(
-        'spec_distilled',
-        'spec_eval',
-        'spec_eval.json',
-        ('target', 'draft_distilled'),
-        _spec_eval('target', 'draft_distilled', False),
-        after=('spec_ce',),  # reuses spec_ce's sampler compiles (same shapes)
-    ),
-    Stage(
-        'spec_cotrain',
-        'spec_eval',
-        'spec_eval.json',
-        ('cotrain',),
-        _spec_eval('cotrain', 'cotrain', True),
-        after=('spec_ce',),
-    ),
-    Stage(
-        'serve',
-        'serve',
-        'serve.json',
-        ('target', 'draft_ce', 'draft_distilled', 'spec_distilled'),
-        _serve,
-    ),
-    Stage(
-        'report',
-        '',
-        'report.md',
-        (
-            'target',
-            'draft_ce',
-            'draft_distilled',
-            'cotrain',
-            'spec_ce',
-            'spec_distilled',
-            'spec_cotrain',
-            'serve',
-        ),
-        _report,
-    ),
-)
-STAGE_NAMES = tuple(s.name for s in STAGES)
+    @property
+    def preempted(self) -> bool:
+        return 'preempted' in self.values()
 
 
 def stages_of(config) -> tuple[Stage, ...]:
@@ -246,14 +141,6 @@ def check_plotting() -> None:
         )
 
 
-def enable_cache(path: str) -> None:
-    if path:
-        import jax
-
-        jax.config.update('jax_compilation_cache_dir', os.path.expanduser(path))
-        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
-
-
 def run(config, workdir: str) -> dict:
     """The quickstart mode; returns {stage: 'ran' | 'reused' | 'preempted'} (stops after a
     preempted stage: SIGTERM saves a checkpoint, and a rerun resumes from it)."""
@@ -266,9 +153,9 @@ def run(config, workdir: str) -> dict:
         quickstart_smollm2.check_config(config)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     done = check_workdir(config, workdir, stages)
-    enable_cache(config.compilation_cache)
+    stage_runner.enable_cache(config.compilation_cache)
     todo = [s for s in stages if not (done[s.name] and s.name != 'report')]
-    outcome = {s.name: 'reused' for s in stages if s not in todo}
+    outcome = StageOutcomes({s.name: 'reused' for s in stages if s not in todo})
     for name in outcome:
         print(f'[quickstart] {name}: finished earlier, reused', flush=True)
     n_workers = stage_runner.workers(config)
@@ -306,7 +193,7 @@ def run(config, workdir: str) -> dict:
         outcome[stage.name] = 'ran'
         return True
 
-    stage_runner.run_pool(config, workdir, todo, prepare, finished, progress, n_workers)
+    stage_runner.run_pool(workdir, todo, prepare, finished, progress, n_workers)
     if 'preempted' not in outcome.values():
         print(f'[quickstart] report: {os.path.join(workdir, "report.md")}', flush=True)
     return outcome

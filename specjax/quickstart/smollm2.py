@@ -22,6 +22,7 @@ here, so the config records '' and stays independent of the workdir).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -221,15 +222,17 @@ def _target_params(root: str) -> int:
 
 
 def spec_eval_stage(draft: str):
-    def run(cfg, wd, root):
-        from specjax.evaluation import spec_eval
+    """The spec_eval stage of (target, draft): a picklable partial of run_spec_eval."""
+    return functools.partial(run_spec_eval, draft)
 
-        cfg = _with_tokenizer(cfg, root)
-        cfg.target_workdir = os.path.join(root, 'target')
-        cfg.draft_workdir = os.path.join(root, draft)
-        spec_eval.run(cfg, wd)
 
-    return run
+def run_spec_eval(draft, cfg, wd, root):
+    from specjax.evaluation import spec_eval
+
+    cfg = _with_tokenizer(cfg, root)
+    cfg.target_workdir = os.path.join(root, 'target')
+    cfg.draft_workdir = os.path.join(root, draft)
+    spec_eval.run(cfg, wd)
 
 
 def run_serve(cfg, wd, root):
@@ -239,10 +242,10 @@ def run_serve(cfg, wd, root):
 
 
 def stages(config=None):
-    """The Stage tuple of this preset (specjax.quickstart.pipeline.Stage). serve needs
+    """The Stage tuple of this preset (specjax.quickstart.stages.Stage). serve needs
     spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
     spec_eval stages."""
-    from specjax.quickstart.pipeline import Stage, _report
+    from specjax.quickstart.stages import Stage, run_report
 
     drafts = ('target', 'teacher_cache')
     fixed_k = config is not None and int(config.serve.k) > 0
@@ -288,6 +291,6 @@ def stages(config=None):
                 'spec_distilled',
                 'serve',
             ),
-            _report,
+            run_report,
         ),  # fmt: skip
     )

@@ -66,6 +66,15 @@ def record_run(workdir, name, seconds, cpu_seconds, beside=(), total=None) -> No
     jsonio.write_json(os.path.join(workdir, RUN_FILE), record)
 
 
+def enable_cache(path: str) -> None:
+    """Turns on JAX's persistent compilation cache in `path` ('' = off)."""
+    if path:
+        import jax
+
+        jax.config.update('jax_compilation_cache_dir', os.path.expanduser(path))
+        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
 class Progress:
     """Stage-by-stage progress with an ETA: the estimates rescaled by the pace so far; stages
     that run side by side count as their estimate / workers."""
@@ -107,25 +116,24 @@ def run_here(stage, cfg, wd, workdir) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _child(config, name, wd, workdir, log_path, cache_dir, conn) -> None:
-    """A child process: logs to log_path, runs the stage, sends (seconds, cpu) or the error."""
+def _child(stage, cfg, wd, workdir, log_path, cache_dir, conn) -> None:
+    """A child process: logs to log_path, runs `stage` with its config `cfg`, sends
+    (seconds, cpu) or the error. It receives what it runs; it imports no pipeline."""
     with open(log_path, 'a') as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     from absl import logging
 
     from specjax import host_malloc
-    from specjax.quickstart import pipeline as quickstart
     from specjax.train.metrics import quiet_libraries
 
     host_malloc.configure()
     logging.use_absl_handler()  # as under specjax.main: INFO progress lines, orbax quiet
     logging.set_verbosity(logging.INFO)
     quiet_libraries()
-    quickstart.enable_cache(cache_dir)  # the parent's persistent compilation cache
+    enable_cache(cache_dir)  # the parent's persistent compilation cache
     try:
-        stage = next(s for s in quickstart.stages_of(config) if s.name == name)
-        conn.send(('ok', run_here(stage, quickstart.stage_config(config, stage), wd, workdir)))
+        conn.send(('ok', run_here(stage, cfg, wd, workdir)))
     except BaseException:
         traceback.print_exc()
         conn.send(('error', traceback.format_exc()))
@@ -136,93 +144,115 @@ class StageFailed(RuntimeError):
     """A stage run in a child process raised; the message holds its traceback."""
 
 
-def run_pool(config, workdir, stages, prepare, finished, progress, n_workers) -> None:
+def run_pool(workdir, stages, prepare, finished, progress, n_workers) -> None:
     """Runs `stages` (pipeline order), up to n_workers concurrent ones at once in child processes.
 
     prepare(stage) -> (cfg, wd) runs before a stage starts; finished(stage, (seconds, cpu),
     beside, log) -> bool after it ends (False: it was preempted; start nothing more). A stage
     starts once its prereqs and `after` stages (those selected) are done; a non-concurrent one
-    waits until nothing else runs and then runs alone, in this process.
+    waits until nothing else runs and then runs alone, in this process. SIGTERM reaches every
+    child (each checkpoints); with none running it stops this process as without the pool.
     """
-    import jax
+    _Pool(workdir, stages, prepare, finished, progress, n_workers).run()
 
-    ctx = multiprocessing.get_context('spawn')
-    cache_dir = jax.config.jax_compilation_cache_dir or ''
-    pending, running, done = list(stages), {}, set()
-    selected = {s.name for s in stages}
-    beside: dict[str, set[str]] = {}
-    exiting, stopping = [], []
 
-    def ready(stage):
-        return all(p in done for p in (*stage.prereqs, *stage.after) if p in selected)
+class _Pool:
+    """run_pool's state: pending stages, running children {name: (proc, stage, pipe, log)}."""
 
-    def start(stage):
-        cfg, wd = prepare(stage)
-        recv, send = ctx.Pipe(duplex=False)
+    def __init__(self, workdir, stages, prepare, finished, progress, n_workers):
+        import jax
+
+        self.workdir, self.prepare, self.finished = workdir, prepare, finished
+        self.progress, self.n_workers = progress, n_workers
+        self.ctx = multiprocessing.get_context('spawn')
+        self.cache_dir = jax.config.jax_compilation_cache_dir or ''
+        self.pending, self.running, self.done = list(stages), {}, set()
+        self.selected = {s.name for s in stages}
+        self.beside: dict[str, set[str]] = {}
+        self.exiting, self.stopping = [], []
+        self.stopped = False
+        self.previous = None
+
+    def ready(self, stage) -> bool:
+        return all(p in self.done for p in (*stage.prereqs, *stage.after) if p in self.selected)
+
+    def start(self, stage) -> None:
+        cfg, wd = self.prepare(stage)
+        recv, send = self.ctx.Pipe(duplex=False)
         log = os.path.join(wd, LOG_FILE)
-        args = (config, stage.name, wd, workdir, log, cache_dir, send)
-        proc = ctx.Process(target=_child, args=args)
-        progress.begin(stage.name, sorted(running))
+        args = (stage, cfg, wd, self.workdir, log, self.cache_dir, send)
+        proc = self.ctx.Process(target=_child, args=args)
+        self.progress.begin(stage.name, sorted(self.running))
         proc.start()
         send.close()
-        for other in running:
-            beside[other].add(stage.name)
-        beside[stage.name] = set(running)
-        running[stage.name] = (proc, stage, recv, log)
+        for other in self.running:
+            self.beside[other].add(stage.name)
+        self.beside[stage.name] = set(self.running)
+        self.running[stage.name] = (proc, stage, recv, log)
 
-    def stop_children(signum=None, frame=None):  # each child checkpoints on SIGTERM
+    def stop_children(self, signum=None, frame=None) -> None:  # each child checkpoints
         if signum is not None:
-            stopping.append(signum)
-        if signum is not None and not running:  # a stage running here: as without the pool
-            signal.signal(signal.SIGTERM, previous)
+            self.stopping.append(signum)
+        if signum is not None and not self.running:  # a stage running here: as without a pool
+            signal.signal(signal.SIGTERM, self.previous)
             os.kill(os.getpid(), signal.SIGTERM)
-        for proc, *_ in running.values():
+        for proc, *_ in self.running.values():
             proc.terminate()
 
-    previous = signal.signal(signal.SIGTERM, stop_children)
-    try:
-        stopped = False
-        while pending or running:
-            for stage in [] if stopped else list(pending):
-                if not ready(stage):
-                    continue
-                if not stage.concurrent:
-                    if not running:
-                        pending.remove(stage)
-                        cfg, wd = prepare(stage)
-                        progress.begin(stage.name)
-                        done.add(stage.name)
-                        stopped = not finished(stage, run_here(stage, cfg, wd, workdir), (), '')
-                    break  # it runs alone: nothing after it starts first
-                if len(running) < n_workers:
-                    pending.remove(stage)
-                    start(stage)
-            if not running:
-                if stopped:
-                    return
-                if pending and not any(ready(s) for s in pending):
-                    raise RuntimeError(f'stages {[s.name for s in pending]} cannot start')
+    def launch_ready(self) -> None:
+        """Starts what may start now; a ready non-concurrent stage runs here once idle."""
+        for stage in [] if self.stopped else list(self.pending):
+            if not self.ready(stage):
                 continue
-            names = {recv: name for name, (_, _, recv, _) in running.items()}
-            for recv in connection.wait(list(names)):  # a result sent, or the child died
-                proc, stage, recv, log = running.pop(names[recv])
-                try:
-                    status, value = recv.recv()
-                except EOFError:
-                    proc.join()
-                    status, value = 'error', f'the process exited with code {proc.exitcode}'
-                    if stopping:  # stopped before its training loop could checkpoint
-                        status, value = 'ok', (0.0, 0.0)
-                exiting.append(proc)  # joined at the end: its exit overlaps the next stage
-                if status != 'ok':
-                    stop_children()
-                    for other, *_ in running.values():
-                        other.join()
-                    raise StageFailed(f'stage {stage.name} failed (log: {log}):\n{value}')
-                done.add(stage.name)
-                if not finished(stage, value, sorted(beside[stage.name]), log):
-                    stopped = True
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for proc in exiting:
-            proc.join()
+            if not stage.concurrent:
+                if not self.running:
+                    self.pending.remove(stage)
+                    cfg, wd = self.prepare(stage)
+                    self.progress.begin(stage.name)
+                    self.done.add(stage.name)
+                    times = run_here(stage, cfg, wd, self.workdir)
+                    self.stopped = not self.finished(stage, times, (), '')
+                break  # it runs alone: nothing after it starts first
+            if len(self.running) < self.n_workers:
+                self.pending.remove(stage)
+                self.start(stage)
+
+    def collect(self) -> None:
+        """Waits for a child to report (or die) and records its stage."""
+        names = {recv: name for name, (_, _, recv, _) in self.running.items()}
+        for recv in connection.wait(list(names)):  # a result sent, or the child died
+            proc, stage, recv, log = self.running.pop(names[recv])
+            try:
+                status, value = recv.recv()
+            except EOFError:
+                proc.join()
+                status, value = 'error', f'the process exited with code {proc.exitcode}'
+                if self.stopping:  # stopped before its training loop could checkpoint
+                    status, value = 'ok', (0.0, 0.0)
+            self.exiting.append(proc)  # joined at the end: its exit overlaps the next stage
+            if status != 'ok':
+                self.stop_children()
+                for other, *_ in self.running.values():
+                    other.join()
+                raise StageFailed(f'stage {stage.name} failed (log: {log}):\n{value}')
+            self.done.add(stage.name)
+            if not self.finished(stage, value, sorted(self.beside[stage.name]), log):
+                self.stopped = True
+
+    def run(self) -> None:
+        self.previous = signal.signal(signal.SIGTERM, self.stop_children)
+        try:
+            while self.pending or self.running:
+                self.launch_ready()
+                if not self.running:
+                    if self.stopped:
+                        return
+                    if self.pending and not any(self.ready(s) for s in self.pending):
+                        names = [s.name for s in self.pending]
+                        raise RuntimeError(f'stages {names} cannot start')
+                    continue
+                self.collect()
+        finally:
+            signal.signal(signal.SIGTERM, self.previous)
+            for proc in self.exiting:
+                proc.join()

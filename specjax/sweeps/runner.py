@@ -345,7 +345,7 @@ def run(
         return {}
     launcher = launcher or subprocess_launcher
     os.makedirs(plan.workdir, exist_ok=True)
-    with workdir_lib.hold(plan.workdir, 'sweep'), _Forwarding():
+    with workdir_lib.opened(plan.workdir, 'sweep', results=()), _Forwarding():
         return _run(plan, sweep, moved, launcher, entry)
 
 
