@@ -17,7 +17,7 @@ inverse_cdf = jax.jit(_inverse_cdf)
 
 
 def reference(logits, temperature, top_k, top_p):
-    """The DESIGN.md transform written out with float64 NumPy, row by row."""
+    """The SamplingConfig transform (docs/design.md) written out with float64 NumPy, row by row."""
     out = []
     for row in np.asarray(logits, np.float64).reshape(-1, logits.shape[-1]):
         if temperature == 0:

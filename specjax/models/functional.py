@@ -1,7 +1,7 @@
 """The pure functional core that jitted code calls: (graphdef, params) instead of a live module.
 
-Use these inside `jax.jit` (not `nnx.jit`, which costs 4-5x per call here): the module is rebuilt
-from `params` at trace time only.
+Use these inside `jax.jit`, not `nnx.jit` (its per-call overhead: docs/performance.md): the
+module is rebuilt from `params` at trace time only.
 """
 
 from __future__ import annotations

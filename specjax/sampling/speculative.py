@@ -134,8 +134,8 @@ def make_speculative_fn(
     function, not part of its key (`SamplingConfig.traced`): settings of the same structure
     (top_k, greedy or not, top-p filtering or not) share one compiled program, and with
     `dynamic_sampling` every setting at one top_k does (greediness and top-p are then lax.conds:
-    free for sampled settings, but greedy rounds carry the sampled path's unused [B, k, V] q and
-    ran ~10% slower at k = 4 on the quickstart's CPU pair, so timed greedy runs keep it off).
+    free for sampled settings, but greedy rounds then carry the sampled path's unused [B, k, V]
+    q, so timed greedy runs keep it off; docs/performance.md has the measured cost).
     Arguments are checked here and in fn before any compile.
     """
     k = common.check_positive_int('num_draft_tokens', num_draft_tokens)

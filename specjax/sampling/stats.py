@@ -1,4 +1,4 @@
-"""Acceptance statistics of speculative decoding, under DESIGN.md's names.
+"""Acceptance statistics of speculative decoding, under the names of docs/design.md ("Quantities").
 
 Counts come from the sampler's `stats` (totals, or per-row `row_*` fields); everything here
 reduces counts first and divides last, so buckets and batches combine exactly:
