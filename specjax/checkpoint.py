@@ -240,6 +240,12 @@ class Checkpoints:
         self.manager.wait_until_finished()
         self.manager.close()
 
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _step(self, step):
         if step is None:
             step = self.manager.latest_step()
@@ -324,22 +330,18 @@ def load_model(
             nnx.update(model, params)
         return model, meta
 
-    ckpts = Checkpoints(workdir, read_only=True)
-    try:
+    with Checkpoints(workdir, read_only=True) as ckpts:
         if step is None:
             _, (model, meta) = ckpts.newest_readable(read)
         else:
             model, meta = read(ckpts._step(step))
-    finally:
-        ckpts.close()
     return model, meta
 
 
 def write_workdir(model, tokenizer, workdir: str, *, source: dict, mode: str = 'import') -> str:
     """Saves `model` and `tokenizer` as a workdir that load_model reads; refuses to overwrite."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    ckpts = Checkpoints(workdir, async_save=False)
-    try:
+    with Checkpoints(workdir, async_save=False) as ckpts:
         if ckpts.all_steps():
             raise ValueError(
                 f'--workdir={workdir} already holds checkpoints {ckpts.all_steps()}; use a new one'
@@ -353,7 +355,5 @@ def write_workdir(model, tokenizer, workdir: str, *, source: dict, mode: str = '
             'num_params': model.config.num_params,
         }
         ckpts.save(IMPORT_STEP, {'params': params}, data_state={}, metadata=metadata)
-    finally:
-        ckpts.close()
     tokenizer.save(workdir)
     return workdir

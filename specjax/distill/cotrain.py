@@ -94,8 +94,7 @@ def check_init(config, identity: dict) -> tuple[str, int] | None:
     if not workdir:
         return None
     step = int(init.get('target_step', -1))
-    ckpts = Checkpoints(workdir, read_only=True)
-    try:
+    with Checkpoints(workdir, read_only=True) as ckpts:
         steps = ckpts.all_steps()
         if step not in steps or not 0 < step < int(config.train.steps):
             raise ValueError(
@@ -104,8 +103,6 @@ def check_init(config, identity: dict) -> tuple[str, int] | None:
             )
         ckpts.check_identity(identity, step)
         saved = ckpts.metadata(step).get('config', {}).get('train', {})
-    finally:
-        ckpts.close()
     for field in _SCHEDULE_FIELDS:
         if field in saved and saved[field] != config.train[field]:
             raise ValueError(
@@ -124,11 +121,8 @@ def _init_from_pretrain(init, abstract: CotrainState, where: tuple[str, int], ba
     )
 
     def init_state():
-        ckpts = Checkpoints(workdir, read_only=True)
-        try:
+        with Checkpoints(workdir, read_only=True) as ckpts:
             target, data_state, _ = ckpts.restore(train_abstract, step)
-        finally:
-            ckpts.close()
         batches.set_state(data_state)
         return init().replace(
             step=target.step, params=target.params, opt_state=target.opt_state, rng=target.rng

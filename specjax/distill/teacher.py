@@ -52,11 +52,8 @@ def params_fingerprint(params) -> str:
 
 def teacher_step(workdir: str, step: int) -> int:
     """The checkpoint step to load (-1 = latest); ValueError naming the field if absent."""
-    ckpts = Checkpoints(workdir, read_only=True)
-    try:
+    with Checkpoints(workdir, read_only=True) as ckpts:
         steps = ckpts.all_steps()
-    finally:
-        ckpts.close()
     if not steps:
         raise ValueError(f'config.distill.teacher_workdir={workdir!r} has no checkpoints')
     if step == -1:
@@ -110,11 +107,8 @@ def precheck(config, draft_cfg: TransformerConfig, *, data_config: bool = True) 
     d = config.distill
     workdir = workdir_lib.resolve(d.teacher_workdir)
     step = teacher_step(workdir, int(d.teacher_step))
-    ckpts = Checkpoints(workdir, read_only=True)
-    try:
+    with Checkpoints(workdir, read_only=True) as ckpts:
         meta = ckpts.metadata(step)
-    finally:
-        ckpts.close()
     t_vocab = meta.get('model_config', {}).get('vocab_size')
     if t_vocab is not None and draft_cfg.vocab_size != t_vocab:
         raise ValueError(

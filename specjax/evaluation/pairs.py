@@ -76,11 +76,8 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
 
         metas = []
         for wd in (config.target_workdir, config.draft_workdir):
-            ckpts = Checkpoints(wd, read_only=True)
-            try:
+            with Checkpoints(wd, read_only=True) as ckpts:
                 metas.append(ckpts.metadata())
-            finally:
-                ckpts.close()
         ids = draft_vocab_ids(config.draft_workdir)
         check_identities(
             *metas,

@@ -37,13 +37,11 @@ def _meta_config(workdir: str, field: str, key: str = 'model_config') -> Transfo
 
     if not workdir:
         raise ValueError(f"config.{field} is empty: the planner needs that model's config")
-    ckpts = Checkpoints(workdir, read_only=True)
     try:
-        meta = ckpts.metadata()
+        with Checkpoints(workdir, read_only=True) as ckpts:
+            meta = ckpts.metadata()
     except FileNotFoundError as e:
         raise ValueError(f'config.{field}={workdir!r}: {e}') from None
-    finally:
-        ckpts.close()
     if key not in meta:
         raise ValueError(f'config.{field}={workdir!r}: its checkpoint has no {key!r} metadata')
     return TransformerConfig.from_dict(meta[key])

@@ -382,7 +382,7 @@ def _run(plan, sweep, moved, launcher, entry) -> dict:
         if stopped is not None:
             return stopped
         summary = aggregate.write_summary(plan, sweep)
-    from specjax.experiments import plots  # matplotlib only where plots are made
+    from specjax.sweeps import plots  # matplotlib only where plots are made
 
     plots.write_plots(summary, os.path.join(plan.workdir, 'plots'), sweep.plot_metrics)
     print(f'[sweep] done in {time.perf_counter() - start:.0f} s: {plan.workdir}/summary.md')
