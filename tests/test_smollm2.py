@@ -31,6 +31,11 @@ TEXTS = [
 NEAR_TIE = (
     1e-2  # a greedy divergence is accepted only where transformers' top-2 logits are this close
 )
+# Logit tolerances against transformers, from the spread measured on a 2-core AMD EPYC: specjax
+# float32 (uncached, scan_layers, jitted and batch-2 runs) vs transformers float64 and float32,
+# over these PROMPTS plus 4 more (2..170 tokens, 316 positions in all).
+LOGIT_TOL = 5e-3  # any logit: measured max 1.32e-3 (4x headroom); see the test's docstring
+MEDIAN_TOL = 3e-4  # median over positions of each position's max diff: measured 3.9e-5 (8x)
 
 
 @pytest.fixture(scope='module')
@@ -60,24 +65,48 @@ def theirs(path):
 
 
 def test_logits_match_transformers(ours, theirs):
-    """Within 1e-3 of transformers in float64 (the float32 runs of both differ by up to ~1e-3
-    from each other and from float64 at logit scale ~30: measured 8e-5 .. 1.0e-3)."""
+    """specjax float32 against transformers float64 (and float32) on the same GGUF weights.
+
+    float32 rounding alone moves a logit (scale ~30) by up to ~1e-3 at an ill-conditioned
+    position: position 1 of the 'Speculative decoding' prompt differs from transformers float64
+    by 1.19e-3 (specjax uncached), 0.83e-3 (scan_layers), 1.32e-3 (jitted) and 0.74e-3
+    (transformers' own float32 run); the uncached run's other positions over 7 measured prompts
+    are within 2.3e-4 (median 3.9e-5, p90 5.7e-5). So the max is held to LOGIT_TOL = 5e-3
+    (~4x the worst measured) and the bulk to MEDIAN_TOL = 3e-4 (~8x its measured 3.9e-5): a
+    median does not hinge on one position's accumulation order, yet catches small real bugs
+    (measured medians: 1.5e-3 with rope_theta off by 0.1%, 5.1e-3 with one layer's mlp.down
+    rounded to bfloat16, 6.7e-3 with norm_eps doubled). The greedy token must agree at every
+    position that is not a near tie. No float64 check: specjax has no float64 compute dtype,
+    and transformers' float64 run still computes RoPE angles in float32 (a float64 specjax,
+    patched for the measurement, was within 4.2e-5 of it)."""
     import copy
 
     model, tok = ours
     hf, _ = theirs
     hf64 = copy.deepcopy(hf).double()
+    per_position = []
     for prompt in PROMPTS:
         ids = [tok.bos_id, *tok.encode(prompt)]
-        a = np.asarray(model(jnp.asarray([ids], jnp.int32)))
+        a = np.asarray(model(jnp.asarray([ids], jnp.int32)))[0]
         with torch.no_grad():
-            b = hf(torch.tensor([ids])).logits.numpy()
-            c = hf64(torch.tensor([ids])).logits.numpy()
-        print(f'max |specjax - transformers|: float32 {np.abs(a - b).max():.2e}, '
-              f'float64 {np.abs(a - c).max():.2e} ({prompt[:20]!r})')  # fmt: skip
-        assert np.abs(a - c).max() < 1e-3, prompt
-        assert np.abs(a - b).max() < 2e-3, prompt
-        assert (a[0, -1].argmax(), b[0, -1].argmax()) == (c[0, -1].argmax(),) * 2
+            b = hf(torch.tensor([ids])).logits.numpy()[0]
+            c = hf64(torch.tensor([ids])).logits.numpy()[0]
+        err = np.abs(a - c).max(-1)  # [T]: each position's max |logit diff| vs float64
+        per_position.append(err)
+        print(
+            f'max |specjax - transformers|: float32 {np.abs(a - b).max():.2e}, '
+            f'float64 {err.max():.2e} (median {np.median(err):.2e}, {prompt[:20]!r})'
+        )
+        assert err.max() < LOGIT_TOL, (prompt, int(err.argmax()), float(err.max()))
+        assert np.abs(a - b).max() < LOGIT_TOL, prompt
+        top2 = np.sort(c, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > NEAR_TIE
+        assert clear.any(), prompt
+        bad = np.flatnonzero(clear & (a.argmax(-1) != c.argmax(-1)))
+        assert bad.size == 0, (prompt, bad.tolist())
+    median = float(np.median(np.concatenate(per_position)))
+    print(f'median over positions of max |specjax - transformers float64|: {median:.2e}')
+    assert median < MEDIAN_TOL, median
 
 
 def test_greedy_continuations_match_transformers(ours, theirs):
