@@ -16,9 +16,11 @@ Generating costs one sequential target step per token, scoring one parallel forw
 
 `train_draft(cfg, cache, tok, workdir)` trains cfg.draft (vocab_size N) for cfg.train.steps with
 loss = kd_weight * KD (divergence cfg.loss.divergence, default fkl) + ce_weight * CE over cycled
-rows (cfg.rows: 'teacher', the scored rows, or 'corpus'; the same row order for every draft),
-logs held-out alpha every cfg.train.eval_every steps to <workdir>/metrics.jsonl, and saves a
-workdir load_model reads, with draft_vocab.json beside it.
+rows (cfg.rows: 'teacher', the scored rows, or 'corpus'; the same row order for every draft)
+through the training loop every mode shares (specjax.distill.reduced_task: checkpoints in
+<workdir>/checkpoints, automatic bit-identical resume, the workdir lock, SIGTERM -> checkpoint ->
+preempted), logs held-out alpha every cfg.train.eval_every steps to <workdir>/metrics.jsonl, and
+leaves a workdir load_model reads (its last checkpoint's params), with draft_vocab.json beside it.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from specjax.distill import reduced_vocab as rv
 from specjax.distill.divergences import DIVERGENCES
-from specjax.models import Transformer, TransformerConfig, apply, merge, split
+from specjax.distill.reduced_task import MODE, build_task, loop_config
+from specjax.models import Transformer, TransformerConfig, apply, split
+from specjax.train.loop import run_loop
 from specjax.train.losses import next_token_targets
+from specjax.train.runs import locked_workdir
 
 VOCAB_FILE = 'vocab.json'
 CACHE_FILE = 'teacher.npz'
@@ -60,43 +64,15 @@ def load_cache(directory: str) -> tuple[dict, dict]:
     return vocab, arrays
 
 
-def draft_inputs(tokens, table):
-    """Target ids -> draft input indices (off the set: index 0, as DraftVocab.to_draft does)."""
-    idx = table[tokens]
-    return np.where(idx >= 0, idx, 0).astype(np.int32)
-
-
 ROWS = {'teacher': 'train', 'corpus': 'corpus'}  # cfg.rows -> the cache's array prefix
-
-
-def _batch(arrays, prefix, rows, table):
-    tokens = arrays[f'{prefix}_tokens'][rows]
-    seg = arrays[f'{prefix}_segment_ids'][rows]
-    targets, mask = next_token_targets(tokens, seg)
-    out = {
-        'inputs': draft_inputs(tokens, table),
-        'positions': arrays[f'{prefix}_positions'][rows].astype(np.int32),
-        'segment_ids': seg.astype(np.int32),
-        'target_idx': table[targets].astype(np.int32),  # -1 off the set
-        'mask': np.asarray(mask),
-    }
-    if prefix == 'train':
-        out['topk_idx'] = arrays['train_topk_idx'][rows, :-1].astype(np.int32)
-        out['topk_logp'] = arrays['train_topk_logp'][rows, :-1].astype(np.float32)
-    elif prefix == 'eval':
-        out['logp'] = arrays['eval_logp'][rows, :-1].astype(np.float32)
-        out['argmax'] = arrays['eval_argmax'][rows, :-1].astype(np.int32)
-    return out
-
-
-def _logits(graphdef, params, b):
-    return apply(graphdef, params, b['inputs'], b['positions'], b['segment_ids'])[:, :-1]
 
 
 def check_draft_config(cfg, field: str = 'config') -> None:
     """ValueError naming the field (`field` is the draft config's own name) for what train_draft
     refuses whatever the cache holds: an unknown cfg.rows, KD on the corpus rows, an unknown
-    cfg.loss.divergence. Callers run it before any stage, train_draft again."""
+    cfg.loss.divergence, a config.train field the draft does not read (reduced_task.loop_config).
+    Callers run it before any stage, train_draft again."""
+    loop_config(cfg.train, field)
     rows = cfg.get('rows', 'teacher')
     if rows not in ROWS:
         raise ValueError(f'{field}.rows must be one of {sorted(ROWS)}, got {rows!r}')
@@ -125,52 +101,6 @@ def _train_prefix(rows: str, arrays: dict, cache_dir: str) -> str:
     return prefix
 
 
-def make_step(graphdef, tx, kd_weight: float, ce_weight: float, divergence: str = 'fkl'):
-    def loss_fn(params, b):
-        logits = _logits(graphdef, params, b)
-        kd = 0.0
-        if kd_weight:
-            kd = rv.kd_loss(logits, b['topk_idx'], b['topk_logp'], b['mask'], divergence)
-        ce, _ = rv.ce_loss(logits, b['target_idx'], b['mask'])
-        return kd_weight * kd + ce_weight * ce, (kd, ce)
-
-    @jax.jit
-    def step(params, opt_state, b):
-        (loss, (kd, ce)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {'loss': loss, 'kd': kd, 'ce': ce}
-
-    return step
-
-
-def make_eval(graphdef, ids_N):
-    @jax.jit
-    def sums(params, b):
-        logits = _logits(graphdef, params, b)
-        a1, a0, n = rv.alpha_terms(logits, b['logp'], b['argmax'], ids_N, b['mask'])
-        ce, n_in = rv.ce_loss(logits, b['target_idx'], b['mask'])
-        return {'alpha_T1': a1, 'alpha_T0': a0, 'positions': n, 'ce_sum': ce * n_in, 'in_set': n_in}
-
-    return sums
-
-
-def evaluate(eval_fn, params, arrays, table, batch: int) -> dict:
-    rows = len(arrays['eval_tokens'])
-    tot = {}
-    for a in range(0, rows, batch):
-        out = eval_fn(params, _batch(arrays, 'eval', np.arange(a, min(a + batch, rows)), table))
-        for k, v in jax.device_get(out).items():
-            tot[k] = tot.get(k, 0.0) + float(v)
-    n = max(tot['positions'], 1.0)
-    return {
-        'alpha_T1': tot['alpha_T1'] / n,
-        'alpha_T0': tot['alpha_T0'] / n,
-        'draft_val_loss': tot['ce_sum'] / max(tot['in_set'], 1.0),  # in-set positions only
-        'in_set_fraction': tot['in_set'] / n,
-    }
-
-
 def restricted_early_exit(target, ids_N, draft_cfg: TransformerConfig):
     """Draft parameters from `target`: its embedding rows ids_N (tied head over the N ids), its
     first draft_cfg.n_layers blocks and its final norm. ValueError naming the field whose shape
@@ -195,13 +125,13 @@ def restricted_early_exit(target, ids_N, draft_cfg: TransformerConfig):
     return split(draft)
 
 
-def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> dict:
-    """Trains and saves the draft; returns results (also <workdir>/results.json's content).
-
-    cfg.init (default 'random'): 'target' starts the draft from `target`'s embedding rows of the
-    N ids, first layers and final norm (`restricted_early_exit`), both drafts alike."""
-    from specjax.checkpoint import write_workdir
-
+def _prepare(cfg, cache_dir: str, target) -> dict:
+    """Everything train_draft checks and reads before it takes the workdir: ValueError naming
+    the field for a bad setting or a cache that does not fit."""
+    check_draft_config(cfg)
+    init = cfg.get('init', 'random')
+    if init not in ('random', 'target'):
+        raise ValueError(f"config.init must be 'random' or 'target', got {init!r}")
     vocab, arrays = load_cache(cache_dir)
     ids = np.asarray(vocab['ids'], np.int32)
     if int(cfg.draft.vocab_size) != len(ids):
@@ -209,73 +139,88 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None) -> di
             f'config.draft.vocab_size={cfg.draft.vocab_size} must equal the cached reduced '
             f'vocabulary size {len(ids)} ({cache_dir}/{VOCAB_FILE})'
         )
-    table = rv.index_table(ids, vocab['target_vocab_size'])
-    check_draft_config(cfg)
     rows = cfg.get('rows', 'teacher')
     prefix = _train_prefix(rows, arrays, cache_dir)
-    divergence = cfg.loss.get('divergence', 'fkl')
     draft_cfg = TransformerConfig.from_dict(cfg.draft)
-    init = cfg.get('init', 'random')
     if init == 'target':
         if target is None:
             raise ValueError('config.init=target needs the target model (train_draft target=)')
-        graphdef, params = restricted_early_exit(target, ids, draft_cfg)
-    elif init == 'random':
-        graphdef, params = split(Transformer(draft_cfg, rngs=nnx.Rngs(int(cfg.seed))))
+        _, params = restricted_early_exit(target, ids, draft_cfg)  # checks the shapes now
+        init_identity = {'init': init, 'target_config': target.config.to_dict()}
     else:
-        raise ValueError(f"config.init must be 'random' or 'target', got {init!r}")
-    t = cfg.train
-    steps, batch = int(t.steps), int(t.batch_size)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, float(t.lr), max(int(t.warmup_steps), 1), max(steps, 2), float(t.lr) * 0.1
-    )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    opt_state = tx.init(params)
-    step_fn = make_step(
-        graphdef, tx, float(cfg.loss.kd_weight), float(cfg.loss.ce_weight), divergence
-    )
-    eval_fn = make_eval(graphdef, ids)
-    rng = np.random.default_rng(int(cfg.seed))
-    m = len(arrays[f'{prefix}_tokens'])
-    order = np.concatenate([rng.permutation(m) for _ in range(-(-steps * batch // m) + 1)])
-    os.makedirs(workdir, exist_ok=True)
-    log = open(os.path.join(workdir, 'metrics.jsonl'), 'w')
-    started = time.perf_counter()
-    eval_every = max(int(t.eval_every), 1)
-    try:
-        for s in range(steps):
-            b = _batch(arrays, prefix, order[s * batch : (s + 1) * batch], table)
-            params, opt_state, metrics = step_fn(params, opt_state, b)
-            if (s + 1) % eval_every == 0 or s + 1 == steps:
-                row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                row.update(evaluate(eval_fn, params, arrays, table, batch))
-                row.update(split='eval', step=s + 1, seconds=time.perf_counter() - started)
-                log.write(json.dumps(row) + '\n')
-                log.flush()
-                print(f'[{os.path.basename(workdir)}] step {s + 1}/{steps} {row}', flush=True)
-    finally:
-        log.close()
-    final = evaluate(eval_fn, params, arrays, table, batch)
-    write_workdir(
-        merge(graphdef, params),
-        tokenizer,
-        workdir,
-        source={'reduced_vocab_of': cache_dir, 'n': len(ids), 'loss': dict(cfg.loss)},
-        mode='distill_reduced',
-    )
-    with open(os.path.join(workdir, DRAFT_VOCAB_FILE), 'w') as f:
-        json.dump({'ids': ids.tolist(), 'target_vocab_size': vocab['target_vocab_size']}, f)
+        params, init_identity = None, {'init': init}
+
+    def make_params():  # (only for a workdir without checkpoints)
+        if params is not None:
+            return params
+        return split(Transformer(draft_cfg, rngs=nnx.Rngs(int(cfg.seed))))[1]
+
+    reduced = {'ids': ids.tolist(), 'target_vocab_size': int(vocab['target_vocab_size'])}
     return dict(
-        final,
-        mode='distill_reduced',
-        step=steps,
-        train_seconds=time.perf_counter() - started,
-        tokens_seen=steps * batch * arrays[f'{prefix}_tokens'].shape[1],
+        vocab=vocab,
+        arrays=arrays,
+        ids=ids,
+        table=rv.index_table(ids, vocab['target_vocab_size']),
         rows=rows,
-        num_params_draft=draft_cfg.num_params,
+        prefix=prefix,
+        draft_cfg=draft_cfg,
         init=init,
+        make_params=make_params,
+        identity={
+            'reduced_vocab': dict(reduced, rows=rows),
+            'draft_init': init_identity,
+        },
+    )
+
+
+def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None, *, on_step=None):
+    """Trains the draft through specjax.train.loop (resuming from <workdir>/checkpoints, holding
+    the workdir lock) and saves it; returns results (the caller writes <workdir>/results.json).
+
+    cfg.init (default 'random'): 'target' starts the draft from `target`'s embedding rows of the
+    N ids, first layers and final norm (`restricted_early_exit`), both drafts alike. Stopped by
+    SIGTERM: the checkpoint is committed and the results are {'mode', 'step', 'preempted': True,
+    'checkpoint_dir', 'checkpoint_step'} (rerun to resume). on_step(step, state): run_loop's."""
+    p = _prepare(cfg, cache_dir, target)
+    train_cfg = loop_config(cfg.train)
+    identity = dict(p['identity'], tokenizer=tokenizer.identity())
+    source = {'reduced_vocab_of': cache_dir, 'n': len(p['ids']), 'loss': dict(cfg.loss)}
+    with locked_workdir(workdir, MODE) as workdir:
+        task = build_task(
+            cfg,
+            arrays=p['arrays'],
+            prefix=p['prefix'],
+            table=p['table'],
+            ids=p['ids'],
+            draft_cfg=p['draft_cfg'],
+            make_params=p['make_params'],
+            identity=identity,
+            metadata={'source': source},
+        )
+        started = time.perf_counter()
+        result = run_loop(task, workdir, train_cfg, on_step=on_step)
+        seconds = time.perf_counter() - started
+        if result.preempted:
+            return dict(mode=MODE, step=result.step, preempted=True,
+                        checkpoint_dir=result.checkpoint_dir,
+                        checkpoint_step=result.checkpoint_step)  # fmt: skip
+        tokenizer.save(workdir)
+        with open(os.path.join(workdir, DRAFT_VOCAB_FILE), 'w') as f:
+            json.dump(
+                {'ids': p['ids'].tolist(), 'target_vocab_size': p['vocab']['target_vocab_size']}, f
+            )
+    draft_cfg = p['draft_cfg']
+    return dict(
+        result.eval,
+        mode=MODE,
+        step=result.step,
+        train_seconds=seconds,
+        tokens_seen=result.step * task.tokens_per_step,
+        rows=p['rows'],
+        num_params_draft=draft_cfg.num_params,
+        init=p['init'],
         draft_layers=draft_cfg.n_layers,
-        reduced_vocab_size=len(ids),
+        reduced_vocab_size=len(p['ids']),
         loss=dict(cfg.loss),
     )
 

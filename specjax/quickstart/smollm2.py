@@ -207,6 +207,8 @@ def run_draft(cfg, wd, root):
     cache_dir = os.path.join(root, 'teacher_cache')
     target = load_model(_tokenizer_dir(root))[0] if cfg.get('init') == 'target' else None
     results = rt.train_draft(cfg, cache_dir, tok, wd, target=target)
+    if results.get('preempted'):  # checkpoint committed; no results.json: a rerun resumes
+        return
     with open(os.path.join(cache_dir, 'cache.json')) as f:
         cache = json.load(f)
     results['target_val_loss'] = cache['target_val_loss']
