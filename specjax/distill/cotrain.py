@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import workdir as workdir_lib
 from specjax.checkpoint import Checkpoints, abstract_with_shardings
 from specjax.distill.config import (
     COTRAIN_SECTIONS,
@@ -34,7 +35,7 @@ from specjax.parallel import batch_sharding, make_mesh
 from specjax.parallel.mesh import mesh_rules
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
-from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
+from specjax.train.runs import batch_placer, check_vocab, train_flops
 from specjax.train.state import TrainState, abstract_model, state_shardings
 
 # config.train fields that must equal the pretrain run's for co-training to continue its schedule.
@@ -223,7 +224,7 @@ def build_cotrain(config, data: DistillData):
 def run_cotrain(config, workdir: str, *, data: DistillData | None = None, on_step=None) -> dict:
     """Co-trains config.model (target) and config.draft in `workdir` (locked); see module doc."""
     validate_common(config, 'cotrain', COTRAIN_SECTIONS)
-    with locked_workdir(workdir, 'cotrain') as workdir:
+    with workdir_lib.opened(workdir, 'cotrain') as workdir:
         return _run_cotrain(config, workdir, data, on_step)
 
 

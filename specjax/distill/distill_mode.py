@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from specjax import workdir as workdir_lib
 from specjax.distill import sources
 from specjax.distill.config import (
     DISTILL_SECTIONS,
@@ -29,7 +30,7 @@ from specjax.parallel import batch_sharding, make_mesh, param_shardings
 from specjax.parallel.mesh import mesh_rules
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
-from specjax.train.runs import batch_placer, check_vocab, locked_workdir, train_flops
+from specjax.train.runs import batch_placer, check_vocab, train_flops
 from specjax.train.state import plan_train_state
 
 
@@ -166,7 +167,7 @@ def run_distill(config, workdir: str, *, data: DistillData | None = None, on_ste
     """
     draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
     precheck(config, draft_cfg, data_config=data is None)  # before any tokenizer is built
-    with locked_workdir(workdir, 'distill') as workdir:
+    with workdir_lib.opened(workdir, 'distill') as workdir:
         return _run_distill(config, workdir, data, on_step)
 
 

@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import workdir as workdir_lib
 from specjax.distill import reduced_vocab as rv
 from specjax.distill.divergences import DIVERGENCES
 from specjax.distill.reduced_task import MODE, build_task, loop_config
 from specjax.models import Transformer, TransformerConfig, apply, split
 from specjax.train.loop import run_loop
 from specjax.train.losses import next_token_targets
-from specjax.train.runs import locked_workdir
 
 VOCAB_FILE = 'vocab.json'
 CACHE_FILE = 'teacher.npz'
@@ -185,7 +185,7 @@ def train_draft(cfg, cache_dir: str, tokenizer, workdir: str, target=None, *, on
     train_cfg = loop_config(cfg.train)
     identity = dict(p['identity'], tokenizer=tokenizer.identity())
     source = {'reduced_vocab_of': cache_dir, 'n': len(p['ids']), 'loss': dict(cfg.loss)}
-    with locked_workdir(workdir, MODE) as workdir:
+    with workdir_lib.opened(workdir, MODE) as workdir:
         task = build_task(
             cfg,
             arrays=p['arrays'],

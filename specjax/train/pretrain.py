@@ -128,7 +128,7 @@ def pretrain(config, workdir: str, *, data: PretrainData | None = None, on_step=
     config and its hash. Holds the workdir lock for the whole run.
     """
     validate_config(config)
-    with runs.locked_workdir(workdir, 'pretrain') as workdir:
+    with workdir_lib.opened(workdir, 'pretrain') as workdir:
         return _pretrain(config, workdir, data, on_step)
 
 

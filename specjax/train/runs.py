@@ -1,6 +1,6 @@
-"""What every training mode (pretrain, distill, cotrain) shares around run_loop: the locked
-workdir, the mesh-rule check, the data it reads (RunData from the real pipeline) and the
-host -> device batch placement."""
+"""What every training mode (pretrain, distill, cotrain) shares around run_loop, inside the
+workdir that specjax.workdir.opened holds: the mesh-rule check, the data it reads (RunData from
+the real pipeline) and the host -> device batch placement."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from specjax import workdir as workdir_lib
 from specjax.train.config import check_keys
 
 LOGICAL_AXES = ('batch', 'length', 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm')
-
-
-def locked_workdir(workdir, mode: str):
-    """specjax.workdir.opened for a training mode's results.json (kept for the training modes)."""
-    return workdir_lib.opened(workdir, mode)
 
 
 def check_mesh_config(mesh) -> None:
