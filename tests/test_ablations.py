@@ -16,8 +16,8 @@ from data_fixtures import prepared_stdlib_dir
 from specjax.main import resolve_mode
 from specjax.models import TransformerConfig, presets
 from specjax.sweeps import runner as sweep
-from specjax.sweeps.aggregate import fmt
 from specjax.sweeps.spec import ConfigRef, plan_sweep, point_dir
+from specjax.sweeps.summary_markdown import fmt
 from specjax.train.runs import train_flops
 
 _ABLATIONS = os.path.join(os.path.dirname(__file__), '..', 'configs', 'ablations')

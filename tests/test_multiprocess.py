@@ -42,7 +42,7 @@ def _env(**extra):
 
 def spec_eval_tokens():
     """The tokens spec_eval's check generates: every prompt row (11) decodes NEW = 6 tokens."""
-    from specjax.parallel import selfcheck
+    from specjax.preflight import selfcheck
 
     return (selfcheck.B + 3) * selfcheck.NEW
 

@@ -83,14 +83,7 @@ def run(config, workdir: str, root: str) -> dict:
     split_models = {name: split(m) for name, m in models.items()}
     # Reduced-vocabulary drafts (draft_vocab.json): ids maps draft index -> target id.
     vocab = {name: draft_vocab_ids(os.path.join(root, name)) for name in models}
-
     target_vocab = models['target'].config.vocab_size
-
-    def as_target(method, tokens):
-        return alone_tokens(vocab.get(method), tokens)
-
-    def inputs_for(method, tokens):
-        return alone_inputs(vocab.get(method), target_vocab, tokens)
 
     ev = config.eval
     batch_sizes = tuple(int(b) for b in config.batch_sizes)
@@ -106,7 +99,32 @@ def run(config, workdir: str, root: str) -> dict:
     n = int(config.max_new_tokens)
     sampling = SamplingConfig(temperature=float(config.temperature))
     common = dict(sampling=sampling, eos_id=None, mesh=mesh, rules=rules)
-    rng = jax.random.key(config.seed)
+    sampler = _sampler_factory(split_models, vocab, k, common)
+    inputs_for = lambda method, tokens: alone_inputs(vocab.get(method), target_vocab, tokens)
+    calls, compiled, outputs = _compile_all(
+        sampler, inputs_for, prompts, batch_sizes, n, jax.random.key(config.seed)
+    )
+    times = {
+        key: float(np.median(t)) for key, t in interleaved_times(calls, int(config.repeats)).items()
+    }
+    result = {
+        'k': k,
+        'max_new_tokens': n,
+        'sampling': sampling.to_dict(),
+        'param_bytes': {name: _param_bytes(p) for name, (_, p) in split_models.items()},
+        'num_params': {name: m.config.num_params for name, m in models.items()},
+        'rows': _rows(batch_sizes, n, k, times, compiled, outputs, vocab),
+        'samples': _samples(config, tok, prompts, outputs, vocab, max(batch_sizes)),
+        'environment': measure.environment(),
+        'process_memory': measure.process_memory(),
+    }
+    os.makedirs(workdir, exist_ok=True)
+    jsonio.write_json(os.path.join(workdir, 'serve.json'), result)
+    return result
+
+
+def _sampler_factory(split_models: dict, vocab: dict, k: int, common: dict):
+    """sampler(method, max_new) -> (sampler fn, its params): a model alone or a spec_ pair."""
 
     def sampler(method, max_new):
         if method.startswith('spec_'):
@@ -123,6 +141,16 @@ def run(config, workdir: str, root: str) -> dict:
         fn = make_autoregressive_fn(split_models[method][0], max_new_tokens=max_new, **common)
         return fn, [split_models[method][1]]
 
+    return sampler
+
+
+def _compile_all(sampler, inputs_for, prompts, batch_sizes, n: int, rng):
+    """Every (method, batch, max_new) compiled ahead of time and decoded once.
+
+    Returns (calls, compiled, outputs): calls[(method, batch, max_new)] runs it again (only the
+    METHODS: draft_ce alone is decoded for its samples, not timed); outputs[(method, batch)]
+    holds the N-token decode on host.
+    """
     calls, compiled, outputs = {}, {}, {}
     for b in batch_sizes:
         idx = np.arange(b) % len(prompts)
@@ -139,16 +167,18 @@ def run(config, workdir: str, root: str) -> dict:
                     outputs[method, b] = jax.device_get(jax.block_until_ready(calls[key]()))
                 if method not in METHODS:
                     del calls[key]  # samples only: not timed
-    times = {
-        key: float(np.median(t)) for key, t in interleaved_times(calls, int(config.repeats)).items()
-    }
+    return calls, compiled, outputs
 
+
+def _rows(batch_sizes, n: int, k: int, times: dict, compiled: dict, outputs: dict, vocab) -> list:
+    """One row per (batch, method): TTFT, TPOT, tokens/s, memory, agreement with the target."""
     rows = []
     for b in batch_sizes:
         for method in METHODS:
             t_n, t_1 = times[method, b, n], times[method, b, 1]
             out = outputs[method, b]
-            same = as_target(method, out.tokens) == np.asarray(outputs['target', b].tokens)
+            target_ids = np.asarray(outputs['target', b].tokens)
+            same = alone_tokens(vocab.get(method), out.tokens) == target_ids
             rows.append(
                 dict(
                     method=method,
@@ -164,7 +194,12 @@ def run(config, workdir: str, root: str) -> dict:
                     same_tokens_as_target=float(same.mean()),
                 )
             )
-    b = max(batch_sizes)
+    return rows
+
+
+def _samples(config, tok, prompts, outputs: dict, vocab, b: int) -> list:
+    """The first config.samples prompts and each SAMPLED method's continuation at batch b
+    (the largest), decoded."""
     shown = min(int(config.samples), len(prompts), b)  # rows of the largest batch
     samples = []
     for i in range(shown):
@@ -174,20 +209,7 @@ def run(config, workdir: str, root: str) -> dict:
         }
         for method in SAMPLED:
             out = outputs[method, b]
-            row = as_target(method, out.tokens)[i, : out.lengths[i]]
+            row = alone_tokens(vocab.get(method), out.tokens)[i, : out.lengths[i]]
             entry[method] = tok.decode(row.tolist())
         samples.append(entry)
-    result = {
-        'k': k,
-        'max_new_tokens': n,
-        'sampling': sampling.to_dict(),
-        'param_bytes': {name: _param_bytes(p) for name, (_, p) in split_models.items()},
-        'num_params': {name: m.config.num_params for name, m in models.items()},
-        'rows': rows,
-        'samples': samples,
-        'environment': measure.environment(),
-        'process_memory': measure.process_memory(),
-    }
-    os.makedirs(workdir, exist_ok=True)
-    jsonio.write_json(os.path.join(workdir, 'serve.json'), result)
-    return result
+    return samples

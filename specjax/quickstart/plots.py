@@ -1,4 +1,4 @@
-"""The quickstart report's PNGs, drawn from the dict of stage JSON that quickstart_report loads.
+"""The quickstart report's PNGs, drawn from the dict of stage JSON that report_data.load reads.
 
 acceptance_by_position.png  conditional acceptance at each draft position, per draft
 speedup_vs_k.png            measured speedup (points) on the predicted tau / (k c + v(k)) curve
@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from specjax.quickstart import report as qr
+from specjax.quickstart import report_data as qr
 from specjax.sweeps.plots import new_figure
 
 _MAIN = ('T=0', 'T=1,top_k=0,top_p=1')

@@ -11,6 +11,7 @@ per metric). It is the *winner* when its interval overlaps no other configuratio
 (closed intervals; this includes the runner-up, and also catches a lower-mean point whose wide
 interval reaches past the best). Otherwise: "no clear winner", listing the overlapping points.
 If any configuration with data has fewer than 2 seeds there is no interval and no verdict.
+summary.md is rendered by specjax.sweeps.summary_markdown.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import numpy as np
 
 from specjax.sweeps.spec import RESULTS_FILE, point_dir, read_status, sha256_file
+from specjax.sweeps.summary_markdown import markdown
 
 
 def bootstrap_ci(values, *, confidence=0.95, resamples=2000, seed=0) -> tuple[float, float]:
@@ -97,72 +99,17 @@ def collect(plan, sweep) -> dict:
     """Reads every point's status and results.json; computes the summary dict."""
     points, results = [], {}
     for run in plan.points:
-        wd = point_dir(plan, run)
-        rel = os.path.relpath(os.path.join(wd, RESULTS_FILE), plan.workdir)
-        status = read_status(wd) or {}
-        entry = {
-            'name': run.name,
-            'label': run.label,
-            'seed': run.seed,
-            'status': status.get('status', 'not run'),
-            'results': rel,
-            'duration_s': status.get('duration_s'),
-            'cpu_s': status.get('cpu_s'),
-        }
-        path = os.path.join(wd, RESULTS_FILE)
-        if entry['status'] == 'complete' and not os.path.isfile(path):
-            entry['status'] = 'results.json missing'
-        if entry['status'] == 'complete':
-            with open(path) as f:
-                results[run.name] = json.load(f)
-            entry['results_sha256'] = sha256_file(path)
-            if entry['results_sha256'] != status.get('results_sha256'):
-                entry['warning'] = 'results.json changed after the point finished'
-        elif 'error' in status:
-            entry['error'] = status['error']
-            entry['log'] = os.path.relpath(os.path.join(wd, status.get('log', '')), plan.workdir)
+        entry, found = _point(plan, run)
+        if found is not None:
+            results[run.name] = found
         points.append(entry)
 
     metrics = list(sweep.metrics) or sorted({k for r in results.values() for k in numeric_keys(r)})
     guessed = set() if sweep.metrics else {m for m in metrics if 'loss' in m}
     minimize = set(sweep.minimize) | guessed
-    configurations = []
-    for label in plan.labels:
-        runs = [r for r in plan.points if r.label == label]
-        done = [r for r in runs if r.name in results]
-        stats = {}
-        for m in metrics:
-            pairs = [(r.seed, lookup(results[r.name], m)) for r in done]
-            pairs = [(s, v) for s, v in pairs if v is not None]
-            values = [v for _, v in pairs]
-            lo, hi = bootstrap_ci(
-                values,
-                confidence=sweep.confidence,
-                resamples=sweep.bootstrap_resamples,
-                seed=sweep.bootstrap_seed,
-            )
-            mean = float(np.mean(values)) if values else math.nan
-            stats[m] = {
-                'mean': mean,
-                'lo': lo,
-                'hi': hi,
-                'n': len(values),
-                'values': values,
-                'seeds': [s for s, _ in pairs],
-            }
-        configurations.append(
-            {
-                'label': label,
-                'fields': {k: v for k, v in runs[0].fields},
-                'variant': label in plan.variants,
-                'n_complete': len(done),
-                'n_points': len(runs),
-                'metrics': stats,
-                'sources': [
-                    p['results'] for p in points if p['label'] == label and p['name'] in results
-                ],
-            }
-        )
+    configurations = [
+        _configuration(plan, sweep, label, metrics, results, points) for label in plan.labels
+    ]
     verdicts = []
     for m in metrics:
         higher = m not in minimize
@@ -186,6 +133,73 @@ def collect(plan, sweep) -> dict:
     }
 
 
+def _point(plan, run) -> tuple[dict, dict | None]:
+    """A point's summary entry (status, seconds, results path and sha256, error and log) and
+    its results.json (None unless the point is complete)."""
+    wd = point_dir(plan, run)
+    rel = os.path.relpath(os.path.join(wd, RESULTS_FILE), plan.workdir)
+    status = read_status(wd) or {}
+    entry = {
+        'name': run.name,
+        'label': run.label,
+        'seed': run.seed,
+        'status': status.get('status', 'not run'),
+        'results': rel,
+        'duration_s': status.get('duration_s'),
+        'cpu_s': status.get('cpu_s'),
+    }
+    path = os.path.join(wd, RESULTS_FILE)
+    if entry['status'] == 'complete' and not os.path.isfile(path):
+        entry['status'] = 'results.json missing'
+    results = None
+    if entry['status'] == 'complete':
+        with open(path) as f:
+            results = json.load(f)
+        entry['results_sha256'] = sha256_file(path)
+        if entry['results_sha256'] != status.get('results_sha256'):
+            entry['warning'] = 'results.json changed after the point finished'
+    elif 'error' in status:
+        entry['error'] = status['error']
+        entry['log'] = os.path.relpath(os.path.join(wd, status.get('log', '')), plan.workdir)
+    return entry, results
+
+
+def _configuration(plan, sweep, label: str, metrics, results: dict, points: list) -> dict:
+    """One configuration (grid point over seeds): its fields and, per metric, the mean, the
+    bootstrap interval and the values with their seeds."""
+    runs = [r for r in plan.points if r.label == label]
+    done = [r for r in runs if r.name in results]
+    stats = {}
+    for m in metrics:
+        pairs = [(r.seed, lookup(results[r.name], m)) for r in done]
+        pairs = [(s, v) for s, v in pairs if v is not None]
+        values = [v for _, v in pairs]
+        lo, hi = bootstrap_ci(
+            values,
+            confidence=sweep.confidence,
+            resamples=sweep.bootstrap_resamples,
+            seed=sweep.bootstrap_seed,
+        )
+        mean = float(np.mean(values)) if values else math.nan
+        stats[m] = {
+            'mean': mean,
+            'lo': lo,
+            'hi': hi,
+            'n': len(values),
+            'values': values,
+            'seeds': [s for s, _ in pairs],
+        }
+    return {
+        'label': label,
+        'fields': {k: v for k, v in runs[0].fields},
+        'variant': label in plan.variants,
+        'n_complete': len(done),
+        'n_points': len(runs),
+        'metrics': stats,
+        'sources': [p['results'] for p in points if p['label'] == label and p['name'] in results],
+    }
+
+
 def _prereq(plan, run, metrics) -> dict:
     """A prerequisite's status, wall and CPU seconds, and the summary metrics its results.json
     holds (e.g. train_flops of a pretrained target: the compute a distilled draft builds on)."""
@@ -206,166 +220,6 @@ def _prereq(plan, run, metrics) -> dict:
         found = {m: lookup(results, m) for m in metrics}
         entry['metrics'] = {m: v for m, v in found.items() if v is not None}
     return entry
-
-
-def fmt(x: float) -> str:
-    return 'nan' if not math.isfinite(x) else f'{x:.4g}'
-
-
-def cell(s: dict, bold: bool = False) -> str:
-    if s['n'] == 0:
-        return '—'
-    text = fmt(s['mean'])
-    if math.isfinite(s['lo']):
-        text += f' [{fmt(s["lo"])}, {fmt(s["hi"])}]'
-    else:
-        text += f' (n={s["n"]})'
-    return f'**{text}**' if bold else text
-
-
-def run_time(summary: dict) -> str:
-    done = [p for p in summary['points'] if p['status'] == 'complete' and p['duration_s']]
-    if not done:
-        return ''
-    wall = [p['duration_s'] for p in done]
-    cpu = [p['cpu_s'] for p in done if p.get('cpu_s') is not None]
-    text = f'; point wall time total {sum(wall):.0f} s, median {float(np.median(wall)):.0f} s'
-    if cpu:
-        text += f'; CPU time total {sum(cpu):.0f} s, median {float(np.median(cpu)):.0f} s'
-    return text
-
-
-def _row(cells) -> str:
-    return '| ' + ' | '.join(str(c) for c in cells) + ' |'
-
-
-def markdown(summary: dict) -> str:
-    """The summary as a markdown report (tables, verdicts, failures, sources)."""
-    iv = summary['interval']
-    confs, fields = summary['configurations'], summary['grid_fields']
-    names = [m['metric'] for m in summary['metrics']]
-    best = {m['metric']: m['best'] for m in summary['metrics']}
-    n_done = sum(p['status'] == 'complete' for p in summary['points'])
-    lines = [
-        '# Sweep summary',
-        '',
-        f'Base config `{summary["base"]}`, seeds {summary["seeds"]}, '
-        f'{n_done}/{len(summary["points"])} points complete{run_time(summary)}.',
-        '',
-        f'Cells: mean over seeds [{iv["confidence"]:.0%} interval: {iv["method"]}, '
-        f'{iv["resamples"]} resamples, RNG seed {iv["rng_seed"]}]. Bold: best mean per column.',
-        '',
-        _row(['point', *[f.rsplit('.', 1)[-1] for f in fields], 'seeds', *names]),
-        _row(['---'] * (2 + len(fields) + len(names))),
-    ]
-    for c in confs:
-        values = [c['fields'].get(f, '') for f in fields]
-        metric_cells = [cell(c['metrics'][m], best[m] == c['label']) for m in names]
-        lines.append(
-            _row([c['label'], *values, f'{c["n_complete"]}/{c["n_points"]}', *metric_cells])
-        )
-    lines += [
-        '',
-        '## Verdicts',
-        '',
-        "Winner: the best mean's interval overlaps no other point's interval (runner-up "
-        'included); otherwise "no clear winner".',
-        '',
-        _row(['metric', 'better', 'best mean', 'verdict']),
-        _row(['---'] * 4),
-    ]
-    lines += [_row([m['metric'], m['better'], m['best'], m['text']]) for m in summary['metrics']]
-    if len(fields) == 2:
-        lines += pivot_tables(summary)
-    bad = [p for p in summary['points'] if p['status'] not in ('complete',)]
-    if bad:
-        lines += ['', '## Points not complete', '']
-        lines += [
-            f'- {p["name"]}: {p["status"]}'
-            + (f' ({p["error"]}; log `{p["log"]}`)' if 'error' in p else '')
-            for p in bad
-        ]
-    warned = [p for p in summary['points'] if 'warning' in p]
-    lines += [f'- WARNING {p["name"]}: {p["warning"]}' for p in warned]
-    lines += run_time_table(summary)
-    lines += [
-        '',
-        '## Sources',
-        '',
-        'Every number above is computed from these files, relative to the sweep workdir '
-        '(sha256 in summary.json):',
-        '',
-    ]
-    lines += [f'- {c["label"]}: ' + ', '.join(f'`{s}`' for s in c['sources']) for c in confs]
-    return '\n'.join(lines) + '\n'
-
-
-def _mean_s(values) -> str:
-    values = [v for v in values if v is not None]
-    return fmt(float(np.mean(values))) if values else '—'
-
-
-def run_time_table(summary: dict) -> list[str]:
-    """Mean wall and CPU seconds of each configuration's finished points, then each
-    prerequisite with the summary metrics its results.json holds."""
-    done = [p for p in summary['points'] if p['status'] == 'complete']
-    lines = [
-        '',
-        '## Run time',
-        '',
-        'Seconds per point (mean over finished seeds; wall time on '
-        'a possibly shared machine, CPU = user + system of the point process).',
-        '',
-    ]
-    lines += [_row(['point', 'wall s', 'CPU s']), _row(['---'] * 3)]
-    for c in summary['configurations']:
-        mine = [p for p in done if p['label'] == c['label']]
-        wall, cpu = [p['duration_s'] for p in mine], [p.get('cpu_s') for p in mine]
-        lines.append(_row([c['label'], _mean_s(wall), _mean_s(cpu)]))
-    for p in summary.get('prereqs', []):
-        extra = ', '.join(f'{k} {fmt(v)}' for k, v in p['metrics'].items())
-        lines.append(
-            _row(
-                [
-                    f'prereq {p["name"]} ({p["status"]}{"; " + extra if extra else ""})',
-                    _mean_s([p['duration_s']]),
-                    _mean_s([p['cpu_s']]),
-                ]
-            )
-        )
-    return lines
-
-
-def pivot_tables(summary: dict) -> list[str]:
-    """One table per metric: first grid field down, second across; variants listed below."""
-    f1, f2 = summary['grid_fields']
-    confs = summary['configurations']
-    grid = [c for c in confs if not c['variant']]
-    rows = list(dict.fromkeys(c['fields'][f1] for c in grid))
-    cols = list(dict.fromkeys(c['fields'][f2] for c in grid))
-    by = {(c['fields'][f1], c['fields'][f2]): c for c in grid}
-    extra = [c for c in confs if c not in grid]
-    lines = ['', '## Tables per metric', '']
-    for m in summary['metrics']:
-        name = m['metric']
-        lines += [
-            f'### {name} ({m["better"]} is better; {m["text"]})',
-            '',
-            _row([f'{f1.rsplit(".", 1)[-1]} \\ {f2.rsplit(".", 1)[-1]}', *cols]),
-            _row(['---'] * (1 + len(cols))),
-        ]
-        for r in rows:
-            cells = []
-            for col in cols:
-                c = by.get((r, col))
-                cells.append(cell(c['metrics'][name], m['best'] == c['label']) if c else '')
-            lines.append(_row([r, *cells]))
-        lines.append('')
-        lines += [
-            f'- {c["label"]}: {cell(c["metrics"][name], m["best"] == c["label"])}' for c in extra
-        ]
-        lines.append('')
-    return lines
 
 
 def write_csv(summary: dict, path: str) -> None:

@@ -1,0 +1,134 @@
+"""The quickstart report's data: the JSON its stages wrote, loaded, and the lookups over it.
+
+`load(root)` reads <root>/<stage>/{results,spec_eval,serve}.json, the distill/cotrain metrics.jsonl
+(alpha over training steps) and <root>/quickstart.json (seconds per stage) into one dict by stage
+name; the rest finds runs, sampling labels and serve rows in it and converts units. The report's
+sections (specjax.quickstart.report_*) and its plots (specjax.quickstart.plots) read through this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from specjax.sampling import stats as st
+
+PAIRS = {  # spec_eval stage -> (label, training stage of the draft)
+    'spec_ce': ('cross-entropy draft', 'draft_ce'),
+    'spec_distilled': ('distilled draft', 'draft_distilled'),
+    'spec_cotrain': ('co-trained pair', 'cotrain'),
+}
+REF_K = 4  # k of the bucket tables (or the largest evaluated k below it)
+SERVE_NAMES = {
+    'target': 'target alone (autoregressive)',
+    'draft_distilled': 'distilled draft alone (replacement)',
+    'draft_ce': 'cross-entropy draft alone',
+    'spec_ce': 'target + CE draft (speculative)',
+    'spec_distilled': 'target + distilled draft (both)',
+}
+MIB = 2.0**20
+
+
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load(root: str) -> dict:
+    """Every JSON the report reads, by stage name (cotrain / spec_cotrain / teacher_cache only
+    where the preset has them: SmolLM2's has a teacher cache and no co-training)."""
+    d = {'run': _json(os.path.join(root, 'quickstart.json'))}
+    optional = {'cotrain', 'spec_cotrain'}
+    for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain'):
+        path = os.path.join(root, stage, 'results.json')
+        if stage not in optional or os.path.exists(path):
+            d[stage] = _json(path)
+    for stage in PAIRS:
+        path = os.path.join(root, stage, 'spec_eval.json')
+        if stage not in optional or os.path.exists(path):
+            d[stage] = _json(path)
+    cache = os.path.join(root, 'teacher_cache', 'cache.json')
+    if os.path.exists(cache):  # SmolLM2: the imported target's loss is measured on the cache
+        d['teacher_cache'] = _json(cache)
+        d['target']['eval'] = dict(d['target']['eval'], loss=d['teacher_cache']['target_val_loss'])
+    d['serve'] = _json(os.path.join(root, 'serve', 'serve.json'))
+    d['curves'] = {s: alpha_curve(root, s) for s in ('draft_ce', 'draft_distilled', 'cotrain')}
+    return d
+
+
+def pairs(d: dict) -> dict:
+    """The PAIRS this run has (no spec_cotrain in the SmolLM2 preset)."""
+    return {stage: v for stage, v in PAIRS.items() if stage in d}
+
+
+def alpha_curve(root: str, stage: str) -> list[dict]:
+    """Eval rows of <root>/<stage>/metrics.jsonl: [{'step', 'alpha_T0', 'alpha_T1'}]."""
+    rows = []
+    path = os.path.join(root, stage, 'metrics.jsonl')
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if row.get('split') == 'eval' and 'alpha_T1' in row:
+                    rows.append({k: row.get(k) for k in ('step', 'alpha_T0', 'alpha_T1')})
+    return sorted({r['step']: r for r in rows}.values(), key=lambda r: r['step'])
+
+
+def spec_runs(spec: dict, label: str) -> list[dict]:
+    return sorted(
+        (r for r in spec['runs'] if r['sampling_label'] == label and r['method'] == 'speculative'),
+        key=lambda r: r['k'],
+    )
+
+
+def ar_run(spec: dict, label: str) -> dict:
+    return next(
+        r for r in spec['runs'] if r['sampling_label'] == label and r['method'] != 'speculative'
+    )
+
+
+def labels(spec: dict) -> list[str]:
+    return list(dict.fromkeys(r['sampling_label'] for r in spec['runs']))
+
+
+def ref_k(spec: dict) -> int:
+    ks = sorted({r['k'] for r in spec['runs'] if r['k']})
+    return max([k for k in ks if k <= REF_K] or ks[:1])
+
+
+def run_at(spec: dict, label: str, k: int) -> dict:
+    return next(r for r in spec_runs(spec, label) if r['k'] == k)
+
+
+def flop_ratio(spec: dict) -> float:
+    """Draft / target forward FLOPs per token ~ parameter ratio (tied head counted once)."""
+    return spec['models']['draft']['num_params'] / spec['models']['target']['num_params']
+
+
+def accelerator_model(spec: dict, label: str, ks) -> dict:
+    """Predicted speedup with v(k) = 1 and c = FLOP ratio, from the measured alpha: a model."""
+    alpha = spec['optimal_k'][label]['alpha'] or 0.0
+    c = flop_ratio(spec)
+    speedups = st.predicted_speedups(alpha, c, {int(k): 1.0 for k in ks})
+    return {
+        'alpha': alpha,
+        'c': c,
+        'speedups': speedups,
+        'optimal_k': st.optimal_k(alpha, c, {int(k): 1.0 for k in ks}),
+    }
+
+
+def serve_row(serve: dict, method: str, batch: int) -> dict:
+    return next(r for r in serve['rows'] if r['method'] == method and r['batch_size'] == batch)
+
+
+def to_ms(x):
+    return None if x is None else 1e3 * x
+
+
+def to_mib(x):
+    return None if x is None else x / MIB
+
+
+def peak_bytes(row: dict):
+    return row['memory'].get('peak_estimate_bytes')

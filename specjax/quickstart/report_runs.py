@@ -1,0 +1,195 @@
+"""The quickstart report's run sections: the models and stage run times, alpha over training
+steps (with what the co-training comparison holds equal), and the SmolLM2 preset's reduced
+vocabulary and teacher cache.
+
+Every number comes from the stages' JSON loaded by specjax.quickstart.report_data, printed with
+specjax.evaluation.tables.fmt.
+"""
+
+from __future__ import annotations
+
+from specjax.evaluation.tables import fmt, markdown_table
+from specjax.quickstart.report_data import PAIRS, labels, ref_k, run_at
+
+COTRAIN_SKIPPED = (
+    'Co-training: not run in this preset (it updates the 135M target, which this CPU cannot '
+    "train within the quickstart's budget)."
+)
+
+
+def section_setup(d: dict) -> list[str]:
+    t, sv = d['target'], d['serve']
+    rows = [
+        ['target', sv['num_params']['target'], t['eval'].get('loss'), '-'],
+        [
+            'cross-entropy draft',
+            sv['num_params']['draft_ce'],
+            d['draft_ce']['draft_val_loss'],
+            d['draft_ce']['alpha_T1'],
+        ],
+        [
+            'distilled draft',
+            sv['num_params']['draft_distilled'],
+            d['draft_distilled']['draft_val_loss'],
+            d['draft_distilled']['alpha_T1'],
+        ],
+    ]
+    if 'cotrain' in d:
+        rows += [
+            [
+                'co-trained target',
+                d['cotrain']['num_params_target'],
+                d['cotrain']['target_val_loss'],
+                '-',
+            ],
+            [
+                'co-trained draft',
+                d['cotrain']['num_params_draft'],
+                d['cotrain']['draft_val_loss'],
+                d['cotrain']['alpha_T1'],
+            ],
+        ]
+    secs = d['run']['stage_seconds']
+    cpu = d['run'].get('stage_cpu_seconds', {})
+    beside = d['run'].get('stage_beside', {})
+    load = ', '.join(fmt(x) for x in d['run'].get('load_average', ()))
+    env = d['spec_distilled']['environment']
+    return [
+        '## Models and run times',
+        '',
+        markdown_table(
+            ['model', 'params', 'validation loss (nats)', 'alpha_T1 vs its target'], rows
+        ),
+        '',
+        f'Count-bigram baseline {fmt(t["baselines"].get("bigram"))} nats, unigram '
+        f'{fmt(t["baselines"].get("unigram"))} nats (same validation tokens as the target).',
+        '',
+        markdown_table(
+            ['stage', 'wall seconds', 'process CPU seconds', 'ran beside'],
+            [[k, v, cpu.get(k), ', '.join(beside.get(k, ())) or '-'] for k, v in secs.items()]
+            + [['total', sum(secs.values()), sum(cpu.values()) if cpu else None, '']],
+        ),
+        '',
+        'Training stages run side by side in their own processes when config.parallel_stages '
+        'allows (their wall seconds then include sharing the CPU); timing stages always run '
+        'alone. The quickstart took '
+        f'{fmt(d["run"].get("total_seconds"))} s from start to report.',
+        '',
+        f'Load average at the end of the last stage: {load} on {d["run"].get("cpu_count")} '
+        'cores (above the core count the machine was shared and wall times are inflated; CPU '
+        'seconds are inflated less).',
+        '',
+        f'Hardware: {env["backend"]} ({env["device_kind"]}), {env["cpu_count"]} CPU cores, jax '
+        f'{env["jax_version"]}. Timings on a shared machine swing; compare ratios within a table.',
+    ]
+
+
+def section_training(d: dict) -> list[str]:
+    secs = d['run']['stage_seconds']
+    rows = []
+    for stage, name in (
+        ('draft_ce', 'cross-entropy draft'),
+        ('draft_distilled', 'distilled draft'),
+        ('cotrain', 'co-trained draft'),
+    ):
+        for row in d['curves'].get(stage) or []:
+            rows.append([name, row['step'], row['alpha_T0'], row['alpha_T1']])
+    sep = secs.get('target', 0.0) + secs.get('draft_distilled', 0.0)
+    k = ref_k(d['spec_distilled'])
+    label = 'T=1,top_k=0,top_p=1'
+    k_ce, k_di, k_co = (
+        run_at(d[s], label, k)['block_efficiency'] if s in d and label in labels(d[s]) else None
+        for s in PAIRS
+    )
+    return [
+        '## Alpha over training steps',
+        '',
+        markdown_table(['draft', 'step', 'alpha_T0', 'alpha_T1'], rows),
+        '',
+        (matched_compute(d, sep, secs) if 'cotrain' in d else COTRAIN_SKIPPED)
+        + f' Measured tau at k = {k}, T = 1 (spec_eval): cross-entropy {fmt(k_ce)}, distilled '
+        f'{fmt(k_di)}, co-trained {fmt(k_co)}.',
+        '',
+    ]
+
+
+def matched_compute(d: dict, separate_s: float, secs: dict) -> str:
+    """What the co-training comparison holds equal, read from the stages' configs."""
+    co, di = d['cotrain']['config'], d['draft_distilled']['config']
+    total, start = co['train']['steps'], co.get('init', {}).get('target_step', -1)
+    draft = di['train']['steps']
+    if not co.get('init', {}).get('target_workdir'):
+        return (
+            f'The co-trained pair trained from scratch for {total} steps (target + draft); the '
+            f'distilled draft for {draft} steps after the target. Seconds: target + distilled '
+            f'draft {fmt(separate_s)} s, co-training {fmt(secs.get("cotrain"))} s.'
+        )
+    together_s = secs.get('target', 0.0) + secs.get('cotrain', 0.0)
+    return (
+        f"Matched compute: co-training continues the target's pretraining from its step {start} "
+        f'to {total} with a fresh draft, so the co-trained target takes the same {total} steps '
+        f'on the same batches as the pretrained one (validation loss '
+        f'{fmt(d["cotrain"]["target_val_loss"])} vs {fmt(d["target"]["eval"].get("loss"))}) and '
+        f'its draft {total - start} steps, distilled online from the target while it trains; the '
+        f'distilled draft takes {draft} steps from the finished target (co-training against '
+        f'distillation after pretraining). Seconds: target + distilled draft {fmt(separate_s)} '
+        f's, target + co-training {fmt(together_s)} s.'
+    )
+
+
+def _draft_init(d: dict) -> str:
+    """' Both drafts start from ...' as the draft stages recorded it ('' before they did)."""
+    dd = d.get('draft_distilled', {})
+    if dd.get('init') == 'target':
+        return (
+            f" Both drafts ({dd['num_params_draft']} parameters) start from the target's first "
+            f'{dd["draft_layers"]} layer(s), its embedding rows of the N ids (tied head) and its '
+            'final norm, then train on the cache alike.'
+        )
+    if dd.get('init') == 'random':
+        return f' Both drafts ({dd["num_params_draft"]} parameters) start from one random init.'
+    return ''
+
+
+def _cache_rows(c: dict) -> str:
+    """What the teacher ran on, for the reduced-vocabulary section."""
+    if c.get('source', 'dataset') == 'teacher':
+        in_set = c.get('generated_in_set')
+        return (
+            f'The teacher ran once: it continued the first (at most) {c["prompt_len"]} tokens '
+            f'of {c["train_rows"]} corpus rows at T = '
+            f'{" and ".join(fmt(t) for t in c["temperatures"])}'
+            f'{" (batches in turn)" if len(c["temperatures"]) > 1 else ""} to '
+            f'{c["seq_len"]} tokens ({c["generated_tokens"]} generated'
+            + (f', {fmt(in_set)} of them in the set' if in_set is not None else '')
+            + f'; {fmt(c["teacher_generate_seconds"])} s) and was scored on prompt and '
+            f'continuation ({fmt(c["teacher_train_seconds"])} s together), '
+        )
+    return (
+        f'The teacher ran once, teacher-forced on {c["train_rows"]} packed rows of '
+        f'{c["seq_len"]} tokens ({fmt(c["teacher_train_seconds"])} s), '
+    )
+
+
+def section_reduced_vocab(d: dict) -> list[str]:
+    """The SmolLM2 preset's reduced vocabulary and teacher cache (absent elsewhere)."""
+    if 'teacher_cache' not in d:
+        return []
+    c = d['teacher_cache']
+    return [
+        '## Reduced draft vocabulary and teacher cache',
+        '',
+        f'Drafts cover the N = {c["reduced_vocab_size"]} most frequent target tokens of the '
+        f'corpus (train split): {fmt(c["coverage_train"])} of its tokens. '
+        + _cache_rows(c)
+        + f'keeping its top {c["top_k"]} of the N tokens per position '
+        f'({fmt(c["topk_mass_mean"])} of its probability mass on average). The cross-entropy '
+        'draft trains on the packed corpus rows, the distilled draft on the rows the teacher '
+        'scored, for the same steps and tokens per step. KD renormalises over those K, CE skips '
+        "targets outside the set, and alpha is measured against the target's full distribution "
+        '(the draft has q = 0 off the set). Validation losses are over held-out corpus '
+        'positions whose next token is in the set.' + _draft_init(d),
+        '',
+        COTRAIN_SKIPPED,
+        '',
+    ]
