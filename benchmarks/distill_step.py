@@ -22,12 +22,12 @@ import json
 
 import jax
 import numpy as np
-from absl import app, flags
 
+from benchmarks import cli
+from specjax import jsonio
 from specjax.distill import sources
 from specjax.distill.config import default_distill_config
 from specjax.distill.steps import LossSettings, draft_loss, forward, jit_distill_step, step_batch
-from specjax.models import TransformerConfig, presets
 from specjax.parallel import batch_sharding, default_mesh_config, make_mesh, param_shardings
 from specjax.sampling import SamplingConfig
 from specjax.sampling.calibrate import median_time
@@ -35,16 +35,16 @@ from specjax.train.config import default_train_config
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.state import plan_train_state
 
-_TARGET = flags.DEFINE_enum('target', 'small', sorted(presets.TARGETS), 'Target size.')
-_DRAFT = flags.DEFINE_enum('draft', 'tiny', sorted(presets.DRAFTS), 'Draft size preset.')
-_BATCH = flags.DEFINE_integer('batch', 16, 'Batch size B.')
-_SEQ = flags.DEFINE_integer('seq_len', 128, 'Dataset row length T.')
-_VOCAB = flags.DEFINE_integer('vocab', 4096, 'Vocabulary size.')
-_PROMPT = flags.DEFINE_integer('prompt_len', 32, 'Prompt tokens for on-policy generation.')
-_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Generated tokens per prompt.')
-_DIV = flags.DEFINE_string('divergence', 'fkl', 'config.distill.divergence.')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed repetitions (median).')
-_OUT = flags.DEFINE_string('out', None, 'Optional JSON output path.')
+
+def parser():
+    p = cli.parser(__doc__, out=None, target='small', draft='tiny', repeats=5)
+    p.add_argument('--batch', default=16, type=int, help='batch size B')
+    p.add_argument('--seq_len', default=128, type=int, help='dataset row length T')
+    p.add_argument('--vocab', default=4096, type=int, help='vocabulary size')
+    p.add_argument('--prompt_len', default=32, type=int, help='on-policy prompt tokens')
+    p.add_argument('--max_new_tokens', default=64, type=int, help='generated tokens per prompt')
+    p.add_argument('--divergence', default='fkl', help='config.distill.divergence')
+    return p
 
 
 def _batch(rng, b, t, vocab):
@@ -70,8 +70,8 @@ def run(
 ) -> dict:
     """Measures the quantities of the module docstring; returns them as a dict."""
     max_len = max(seq_len, prompt_len + max_new_tokens + 1)
-    t_cfg = TransformerConfig(vocab_size=vocab, max_len=max_len, **presets.shape('target', target))
-    d_cfg = TransformerConfig(vocab_size=vocab, max_len=max_len, **presets.shape('draft', draft))
+    t_cfg = cli.preset_config('target', target, vocab, max_len)
+    d_cfg = cli.preset_config('draft', draft, vocab, max_len)
     mesh_cfg = default_mesh_config()
     mesh, rules = make_mesh(mesh_cfg), mesh_cfg.rules
     train = default_train_config()
@@ -171,26 +171,26 @@ def format_table(r: dict) -> str:
     return '\n'.join([head] + [f'  {name:<36}{value}' for name, value in rows])
 
 
-def main(argv):
-    del argv
+def main(argv=None):
+    args = parser().parse_args(argv)
     result = run(
-        _TARGET.value,
-        _DRAFT.value,
-        _BATCH.value,
-        _SEQ.value,
-        _VOCAB.value,
-        _PROMPT.value,
-        _NEW.value,
-        _DIV.value,
-        _REPEATS.value,
+        args.target,
+        args.draft,
+        args.batch,
+        args.seq_len,
+        args.vocab,
+        args.prompt_len,
+        args.max_new_tokens,
+        args.divergence,
+        args.repeats,
     )
     print(format_table(result))
     line = json.dumps(result, sort_keys=True)
     print(line)
-    if _OUT.value:
-        with open(_OUT.value, 'w') as f:
-            f.write(line + '\n')
+    if args.out:
+        jsonio.write_text(args.out, line + '\n')
+    return result
 
 
 if __name__ == '__main__':
-    app.run(main)
+    main()

@@ -21,10 +21,9 @@ and the minimum approaches the unloaded cost; only ratios from one run are repor
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from benchmarks.sampling import build_models, setup_cache
+from benchmarks import cli
 from specjax import jsonio
 
 TREES = {
@@ -108,7 +107,7 @@ def run(args) -> dict:
     from specjax.sampling.calibrate import interleaved_times
 
     started = time.perf_counter()
-    target, drafts = build_models(args.preset)
+    target, drafts = cli.build_models(args.preset)
     draft = drafts['independent']
     (tgd, tp), (dgd, dp) = split(target), split(draft)
     b, plen, max_new = args.batch_size, args.prompt_len, args.max_new
@@ -219,24 +218,24 @@ def tables(result: dict) -> str:
     )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--out', default='/tmp/specjax/bench_engine.json')
-    p.add_argument('--preset', default='default', choices=('default', 'tiny'))
-    p.add_argument('--batch_size', default=1, type=int)
-    p.add_argument(
-        '--temperatures', default='0.7,1.0', type=lambda s: tuple(float(x) for x in s.split(','))
+def parser():
+    p = cli.parser(
+        __doc__,
+        out='/tmp/specjax/bench_engine.json',
+        preset='default',
+        repeats=9,
+        compilation_cache=True,
     )
+    p.add_argument('--batch_size', default=1, type=int)
+    p.add_argument('--temperatures', default='0.7,1.0', type=cli.floats)
     p.add_argument('--prompt_len', default=16, type=int)
     p.add_argument('--max_new', default=48, type=int)
-    p.add_argument('--repeats', default=9, type=int)
-    p.add_argument('--compilation_cache', default='~/.cache/specjax/jax-cache')
     return p
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    setup_cache(args)
+    cli.setup_cache(args)
     return run(args)
 
 

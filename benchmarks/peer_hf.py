@@ -28,14 +28,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 
-_QUICK = flags.DEFINE_bool('quick', False, '3 prompts and 24 new tokens (~5 minutes)')
-_K = flags.DEFINE_integer('k', 4, 'draft tokens per round (both systems)')
-_LAYERS = flags.DEFINE_integer('draft_layers', 4, 'layers of the early-exit draft')
-_NEW = flags.DEFINE_integer('max_new_tokens', None, 'tokens per prompt (default 64; quick 24)')
-_BATCH = flags.DEFINE_integer('batch', 8, 'batch size of the batched specjax run')
-_OUT = flags.DEFINE_string('out', '/tmp/specjax/peer_hf.json', 'JSON results')
+from benchmarks import cli
+from specjax import jsonio
+
+
+def parser():
+    p = cli.parser(__doc__, out='/tmp/specjax/peer_hf.json')
+    cli.add_bool(p, 'quick', False, '3 prompts and 24 new tokens (~5 minutes)')
+    p.add_argument('--k', default=4, type=int, help='draft tokens per round (both systems)')
+    p.add_argument('--draft_layers', default=4, type=int, help='layers of the early-exit draft')
+    p.add_argument(
+        '--max_new_tokens', default=None, type=int, help='tokens per prompt (default 64; quick 24)'
+    )
+    p.add_argument('--batch', default=8, type=int, help='batch size of the batched specjax run')
+    return p
 
 
 def real_prompts(quick: bool) -> list[tuple[str, str | list]]:
@@ -206,23 +213,23 @@ def table(rows) -> str:
     return '\n'.join(lines)
 
 
-def main(argv):
-    del argv
+def main(argv=None):
+    args = parser().parse_args(argv)
     from specjax.interop.gguf import import_gguf
     from specjax.interop.workdir import bundled_path
     from specjax.models.early_exit import early_exit_draft
 
-    new = _NEW.value or (24 if _QUICK.value else 64)
-    k, n_layers = _K.value, _LAYERS.value
+    new = args.max_new_tokens or (24 if args.quick else 64)
+    k, n_layers, batch = args.k, args.draft_layers, args.batch
     path = bundled_path('smollm2-135m')
     started = time.perf_counter()
     target, tok = import_gguf(path)
     draft = early_exit_draft(target, n_layers)
-    items = real_prompts(_QUICK.value)
+    items = real_prompts(args.quick)
     prompts = encode_prompts(tok, items)
     hf_target, hf_draft = transformers_models(path, n_layers, k)
     hf = run_transformers(hf_target, hf_draft, prompts, new, k)
-    sj = run_specjax(target, draft, prompts, new, k, _BATCH.value)
+    sj = run_specjax(target, draft, prompts, new, k, batch)
 
     rows = []
     for (method, label), r in hf.items():
@@ -238,8 +245,8 @@ def main(argv):
         ratios[f'ar_vs_generate_{s}'] = (
             rate['specjax', 'autoregressive', s, 1] / rate['transformers', 'autoregressive', s, 1]
         )
-        ratios[f'spec_batch{_BATCH.value}_vs_assisted_{s}'] = (
-            rate['specjax', 'speculative', s, _BATCH.value] / rate['transformers', 'assisted', s, 1]
+        ratios[f'spec_batch{batch}_vs_assisted_{s}'] = (
+            rate['specjax', 'speculative', s, batch] / rate['transformers', 'assisted', s, 1]
         )
     greedy = {
         'specjax_ar_vs_transformers_generate': agreement(
@@ -268,11 +275,10 @@ def main(argv):
         'cpu_count': os.cpu_count(),
         'note': 'one process, one shared CPU: compare ratios, not absolute rates',
     }
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value, 'w') as f:
-        json.dump(result, f, indent=2, default=float)
-    print(f'wrote {_OUT.value} ({result["wall_s"]:.0f} s)')
+    jsonio.write_json(args.out, result)
+    print(f'wrote {args.out} ({result["wall_s"]:.0f} s)')
+    return result
 
 
 if __name__ == '__main__':
-    app.run(main)
+    main()

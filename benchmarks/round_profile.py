@@ -1,9 +1,10 @@
 """Where a speculative round's time goes (not a test): the chain sampler's loop body in pieces.
 
   python -m benchmarks.round_profile --workdir=workdirs/quickstart [--batch_sizes=1,8]
-      [--temperature=1.0] [--k=4] [--repeats=7] [--iters=16] [--out=PATH]
+      [--temperatures=1.0] [--k=4] [--repeats=7] [--iters=16] [--out=PATH]
 
-On the trained quickstart pair (README, Quickstart; random init with --workdir=''), every piece
+On the trained quickstart pair (README, Quickstart; with --workdir='' the random-init pair
+--preset=default|tiny, whose independent draft is profiled), every piece
 of `speculative_sample`'s round runs `iters` times inside one jitted `lax.fori_loop` at the
 sampler's cache capacity and a fixed cache position (lengths reset after each call), the way
 `calibrate` measures c and v(k):
@@ -26,11 +27,10 @@ only ratios within one run count.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
-from benchmarks.sampling import setup_cache
+from benchmarks import cli
 from specjax import jsonio
 
 
@@ -168,6 +168,7 @@ def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats
 
     from specjax.models import split
     from specjax.sampling import make_autoregressive_fn, make_speculative_fn
+    from specjax.sampling import stats as st
     from specjax.sampling.calibrate import interleaved_times, timed_call
 
     calls = pieces(target, draft, batch=batch, k=k, width=width, max_new=max_new,
@@ -197,17 +198,19 @@ def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats
     prefill = per['target prefill'] + per['draft prefill']
     per['sampler round'] = (best['sampler'] - prefill) / rounds
     per['autoregressive token'] = (best['autoregressive'] - per['target prefill']) / max_new
-    predicted = k * per['draft step'] + per['verify call']
+    # the round-cost model k c + v(k), here in seconds: k draft steps + one verification call
+    predicted = st.round_cost(k, per['draft step'], per['verify call'])
     tau_batch = float(stats['emitted']) / (batch * rounds)
     c = per['draft step'] / per['target step']
     v = per['verify call'] / per['target step']
     measured_speedup = best['autoregressive'] / best['sampler']
+    predicted_speedup = st.predicted_speedup(tau_batch, k, c, v)
     return dict(
         batch_size=batch, k=k, temperature=sampling.temperature, rounds=rounds,
         tau_per_batch=tau_batch, c=c, v=v, ms={n: 1e3 * t for n, t in per.items()},
         predicted_round_ms=1e3 * predicted, measured_speedup=measured_speedup,
-        predicted_speedup=tau_batch / (k * c + v),
-        measured_over_predicted=measured_speedup / (tau_batch / (k * c + v)),
+        predicted_speedup=predicted_speedup,
+        measured_over_predicted=measured_speedup / predicted_speedup,
     )  # fmt: skip
 
 
@@ -216,13 +219,9 @@ def run(args) -> dict:
 
     started = time.perf_counter()
     if args.workdir:
-        from benchmarks.trees import load_pair
-
-        target, draft = load_pair(args.workdir, args.draft)
+        target, draft = cli.load_pair(args.workdir, args.draft)
     else:
-        from benchmarks.sampling import build_models
-
-        target, drafts = build_models('default')
+        target, drafts = cli.build_models(args.preset)
         draft = drafts['independent']
     result = dict(workdir=args.workdir, repeats=args.repeats, iters=args.iters, points=[])
     for b in args.batch_sizes:
@@ -261,26 +260,27 @@ def table(points) -> str:
     return '\n\n'.join(lines)
 
 
-def parser() -> argparse.ArgumentParser:
-    floats = lambda s: tuple(float(x) for x in s.split(','))
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--workdir', default='workdirs/quickstart')
-    p.add_argument('--draft', default='draft_distilled')
-    p.add_argument('--out', default='/tmp/specjax/bench_round_profile.json')
-    p.add_argument('--batch_sizes', default='1,8', type=lambda s: tuple(map(int, s.split(','))))
-    p.add_argument('--temperatures', default='1.0', type=floats)
+def parser():
+    p = cli.parser(
+        __doc__,
+        out='/tmp/specjax/bench_round_profile.json',
+        preset='default',  # the random-init pair when --workdir=''
+        repeats=7,
+        compilation_cache=True,
+    )
+    cli.add_workdir_pair(p)
+    p.add_argument('--batch_sizes', default='1,8', type=cli.ints)
+    p.add_argument('--temperatures', default='1.0', type=cli.floats)
     p.add_argument('--k', default=4, type=int)
     p.add_argument('--prompt_len', default=32, type=int)
     p.add_argument('--max_new', default=48, type=int)
     p.add_argument('--iters', default=16, type=int)
-    p.add_argument('--repeats', default=7, type=int)
-    p.add_argument('--compilation_cache', default='~/.cache/specjax/jax-cache')
     return p
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    setup_cache(args)
+    cli.setup_cache(args)
     return run(args)
 
 

@@ -25,58 +25,11 @@ about 6 minutes cold. Timings there swing 20-40% between runs: compare ratios, r
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
+from benchmarks import cli
 from specjax import jsonio
-
-# name: (vocab, d_model, n_layers, n_heads, d_ff) for target and draft; max_len.
-PRESETS = {
-    'default': ((4096, 512, 6, 8, 1408), (4096, 256, 2, 4, 704), 256),
-    'tiny': ((512, 64, 2, 4, 128), (512, 32, 1, 2, 64), 128),
-}
-
-
-def _config(spec, max_len):
-    from specjax.models import TransformerConfig
-
-    vocab, d, layers, heads, ff = spec
-    return TransformerConfig(vocab, d, layers, heads, heads, ff, max_len)
-
-
-def truncated_draft(target, n_layers: int = 1):
-    """The target's first n_layers blocks with its embedding and final norm (early exit)."""
-    import dataclasses
-
-    from flax import nnx
-
-    from specjax.models import Transformer
-
-    cfg = dataclasses.replace(target.config, n_layers=n_layers)
-    draft = Transformer(cfg, rngs=nnx.Rngs(0))
-    draft.embed.set_value(target.embed.get_value())
-    nnx.update(draft.final_norm, nnx.state(target.final_norm))
-    for i in range(n_layers):
-        nnx.update(draft.blocks[i], nnx.state(target.blocks[i]))
-    return draft
-
-
-def build_models(preset: str, seed: int = 0):
-    """target and the drafts {'independent', 'truncated', 'self'}."""
-    from flax import nnx
-
-    from specjax.models import Transformer
-
-    t_spec, d_spec, max_len = PRESETS[preset]
-    target = Transformer(_config(t_spec, max_len), rngs=nnx.Rngs(seed))
-    drafts = {
-        'independent': Transformer(_config(d_spec, max_len), rngs=nnx.Rngs(seed + 1)),
-        'truncated': truncated_draft(target, 1),
-        'self': target,
-    }
-    return target, drafts
 
 
 def bench_speculative(
@@ -137,8 +90,11 @@ def bench_speculative(
         )
         totals = st.reduce_rows(st.row_table(out.stats, emitted=out.lengths))
         s = st.summarize(dict(totals, alpha_sum=float(alpha.sum()), alpha_count=int(mask.sum())))
-        cost = k * cal['c'] + cal['v'][str(k)]
+        c, v_k = cal['c'], cal['v'][str(k)]
+        cost = st.round_cost(k, c, v_k)  # k c + v(k)
         tau_batch = st.batch_block_efficiency(out.stats, batch_size)
+        predicted = st.predicted_speedup(s['block_efficiency'], k, c, v_k)
+        predicted_batch = st.predicted_speedup(tau_batch, k, c, v_k)
         measured = float(np.median(times['ar'] / times[(name, k)]))
         prefill_d = times[('prefill', name)] / iters
         round_s = (times[(name, k)] - prefill_t - prefill_d) / int(out.stats['batch_rounds'])
@@ -159,10 +115,10 @@ def bench_speculative(
                 'ar_s': float(np.median(times['ar'])),
                 'spec_s': float(np.median(times[(name, k)])),
                 'measured_speedup': measured,
-                'predicted_speedup': s['block_efficiency'] / cost,
-                'predicted_speedup_batch': tau_batch / cost,
-                'ratio': measured / (s['block_efficiency'] / cost),
-                'ratio_batch': measured / (tau_batch / cost),
+                'predicted_speedup': predicted,
+                'predicted_speedup_batch': predicted_batch,
+                'ratio': measured / predicted,
+                'ratio_batch': measured / predicted_batch,
                 'first_call_s': compile_s[(name, k)],
                 'step_s': float(np.median(step)),
                 'ar_overhead': float(np.median(ar_per_token / step)) - 1.0,
@@ -181,7 +137,7 @@ def run(args) -> dict:
     from specjax.sampling.calibrate import calibrate, cost_ratio, loop_overhead
 
     started = time.perf_counter()
-    target, drafts = build_models(args.preset)
+    target, drafts = cli.build_models(args.preset)  # specjax.models.presets.PAIRS
     ks = tuple(range(1, 9))
     result = {
         'environment': measure.environment(),
@@ -319,36 +275,26 @@ def tables(result: dict) -> str:
     )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--out', default='/tmp/specjax/bench_sampling.json')
-    p.add_argument('--preset', default='default', choices=sorted(PRESETS))
-    p.add_argument('--batch_sizes', default='1,8', type=lambda s: [int(x) for x in s.split(',')])
-    p.add_argument('--ks', default='4', type=lambda s: tuple(int(x) for x in s.split(',')))
+def parser():
+    p = cli.parser(
+        __doc__,
+        out='/tmp/specjax/bench_sampling.json',
+        preset='default',
+        repeats=3,
+        compilation_cache=True,
+    )
+    p.add_argument('--batch_sizes', default='1,8', type=lambda s: list(cli.ints(s)))
+    p.add_argument('--ks', default='4', type=cli.ints)
     p.add_argument('--temperature', default=1.0, type=float, help='speculative runs (0: greedy)')
     p.add_argument('--prompt_len', default=16, type=int)
     p.add_argument('--max_new', default=48, type=int)
     p.add_argument('--iters', default=8, type=int)
-    p.add_argument('--repeats', default=3, type=int)
-    p.add_argument(
-        '--compilation_cache',
-        default='~/.cache/specjax/jax-cache',
-        help='persistent JAX compilation cache dir ("" = off); reruns compile faster',
-    )
     return p
-
-
-def setup_cache(args) -> None:
-    if args.compilation_cache:
-        import jax
-
-        jax.config.update('jax_compilation_cache_dir', os.path.expanduser(args.compilation_cache))
-        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    setup_cache(args)
+    cli.setup_cache(args)
     return run(args)
 
 

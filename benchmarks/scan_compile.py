@@ -13,7 +13,6 @@ unrolled/scanned ratios. Prints a table and one JSON line (also written to --out
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -21,6 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks import cli
+from specjax import jsonio
 
 
 def _time(fn):
@@ -107,14 +109,12 @@ def _run_seconds(compiled, plan, abstract_batch, steps, vocab):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser(__doc__, out='', repeats=2)  # no --compilation_cache: it is turned off here
     p.add_argument('--layers', type=int, default=12)
     p.add_argument('--d_model', type=int, default=256)
     p.add_argument('--batch_size', type=int, default=4)
     p.add_argument('--seq_len', type=int, default=128)
-    p.add_argument('--repeats', type=int, default=2)
     p.add_argument('--steps', type=int, default=3)
-    p.add_argument('--out', default='')
     args = p.parse_args(argv)
     jax.config.update('jax_enable_compilation_cache', False)
 
@@ -154,8 +154,7 @@ def main(argv=None):
            'ratio_unrolled_over_scanned': ratios}  # fmt: skip
     print(json.dumps(out))
     if args.out:
-        with open(args.out, 'w') as f:
-            json.dump(out, f, indent=2)
+        jsonio.write_json(args.out, out)
 
 
 if __name__ == '__main__':

@@ -20,14 +20,12 @@ rounds that accepted a node at depth d / rounds that tested depth d.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.util
 import itertools
 import os
 import time
 
-from benchmarks.sampling import setup_cache
+from benchmarks import cli
 from specjax import jsonio
 
 TREES = {
@@ -43,26 +41,14 @@ TREES = {
 }  # fmt: skip
 
 
-def load_pair(workdir: str, draft: str):
-    from specjax.checkpoint import load_model
-
-    target, t_meta = load_model(os.path.join(workdir, 'target'))
-    draft_model, d_meta = load_model(os.path.join(workdir, draft))
-    if t_meta.get('tokenizer') != d_meta.get('tokenizer'):
-        raise ValueError(f'{workdir}: target and {draft} tokenizers differ')
-    return target, draft_model
-
-
 def quickstart_prompts(size: str, per_domain: int, min_len: int, max_len: int):
     """Validation prefixes of the quickstart corpus (configs/quickstart.py:size=SIZE's data)."""
+    from specjax.config_files import load_config
     from specjax.data import build_tokenizer
     from specjax.evaluation.prompts import make_prompts
 
     path = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
-    spec = importlib.util.spec_from_file_location('_quickstart_config', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    data = module.get_config(f'size={size}').data
+    data = load_config(f'{path}:size={size}').data
     tok = build_tokenizer(data)
     return make_prompts(data, tok, per_domain=per_domain, min_len=min_len, max_len=max_len, seed=0)
 
@@ -81,7 +67,7 @@ def run(args) -> dict:
     from specjax.sampling.calibrate import interleaved_times
 
     started = time.perf_counter()
-    target, draft = load_pair(args.workdir, args.draft)
+    target, draft = cli.load_pair(args.workdir, args.draft)
     (tgd, tp), (dgd, dp) = split(target), split(draft)
     prompts = quickstart_prompts(args.size, args.prompts_per_domain, 16, args.prompt_len)
     rows = [(prompts.tokens[i : i + 1], prompts.lengths[i : i + 1]) for i in range(len(prompts))]
@@ -185,27 +171,26 @@ def table(result: dict) -> str:
     return head + '\n\n' + markdown_table(cols, rows)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--workdir', default='workdirs/quickstart')
-    p.add_argument('--draft', default='draft_distilled')
-    p.add_argument('--size', default='full', help='the quickstart preset the workdir ran')
-    p.add_argument('--out', default='/tmp/specjax/bench_trees.json')
-    p.add_argument(
-        '--temperatures', default='0,1', type=lambda s: tuple(float(x) for x in s.split(','))
+def parser():
+    p = cli.parser(
+        __doc__,
+        out='/tmp/specjax/bench_trees.json',
+        seed=0,
+        repeats=7,
+        compilation_cache=True,
     )
+    cli.add_workdir_pair(p)
+    p.add_argument('--size', default='full', help='the quickstart preset the workdir ran')
+    p.add_argument('--temperatures', default='0,1', type=cli.floats)
     p.add_argument('--prompts_per_domain', default=4, type=int)
     p.add_argument('--prompt_len', default=32, type=int)
     p.add_argument('--max_new', default=48, type=int)
-    p.add_argument('--repeats', default=7, type=int)
-    p.add_argument('--seed', default=0, type=int)
-    p.add_argument('--compilation_cache', default='~/.cache/specjax/jax-cache')
     return p
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    setup_cache(args)
+    cli.setup_cache(args)
     return run(args)
 
 

@@ -14,7 +14,8 @@ import os
 import subprocess
 import sys
 
-from benchmarks.sampling import build_models, parser, setup_cache
+from benchmarks import cli
+from benchmarks.sampling import parser
 from specjax import jsonio
 
 XLA_FLAG_SETS = (
@@ -51,7 +52,6 @@ def compare_xla_flags(args) -> dict:
         with open(path) as f:
             out[flags or 'default'] = json.load(f)
     from specjax.evaluation.tables import markdown_table
-    from specjax.jsonio import write_json
 
     rows = []
     for flags, res in out.items():
@@ -65,7 +65,7 @@ def compare_xla_flags(args) -> dict:
             ['XLA_FLAGS', 'B', 'target step ms', 'c'] + [f'v({k})' for k in range(1, 9)], rows
         )
     )
-    write_json(args.out, out)
+    jsonio.write_json(args.out, out)
     return out
 
 
@@ -73,7 +73,7 @@ def only_vk(args) -> dict:
     from specjax.evaluation import measure
     from specjax.sampling.calibrate import calibrate
 
-    target, drafts = build_models(args.preset)
+    target, drafts = cli.build_models(args.preset)
     res = {'environment': measure.environment(), 'calibration': {}}
     for batch in args.batch_sizes:
         cal = calibrate(
@@ -96,7 +96,7 @@ def main(argv=None):
     p.set_defaults(out='/tmp/specjax/bench_xla_flags.json')
     p.add_argument('--only_vk', action='store_true', help='one flag set, this process')
     args = p.parse_args(argv)
-    setup_cache(args)
+    cli.setup_cache(args)
     return only_vk(args) if args.only_vk else compare_xla_flags(args)
 
 

@@ -4,11 +4,11 @@ from scratch, or with --config.init.target_workdir=DIR --config.init.target_step
 a pretrain run (params, optimizer state, data position: its schedule continues to train.steps).
 
 Run (2-core CPU: the tiny preset takes about 3 minutes, measured 2.9 min on a shared machine;
-small is estimated at ~15 minutes, configs/target.py small's ~10 plus the draft's share):
+small is estimated at ~15 minutes, configs/pretrain.py small's ~10 plus the draft's share):
 
   python -m specjax.main --config=configs/cotrain.py:size=tiny --workdir=/tmp/specjax/cotrain_tiny
 
-Presets (`:size=...`): the target is configs/target.py's preset of that name (same model, data
+Presets (`:size=...`): the target is configs/pretrain.py's preset of that name (same model, data
 and schedule, so its validation loss compares with a plain pretrain run); the draft is the
 distill preset `draft` (test for tiny, tiny for small; override with `size=small,draft=small`).
 The draft's loss fields live in config.distill (divergence, beta, loss_temperature,
@@ -21,28 +21,24 @@ import os
 
 import ml_collections
 
-from specjax.distill.config import default_distill_config, model_config, parse_arg
-from specjax.sweeps.spec import ConfigRef
+from specjax.config_files import load_config, one_of, parse_arg
+from specjax.distill.config import default_distill_config, model_config
 
 _DEFAULT_DRAFT = {'tiny': 'test', 'small': 'tiny', 'base': 'medium'}
 
 
 def _target_config(size: str) -> ml_collections.ConfigDict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'target.py')
-    return ConfigRef(path, f'size={size}').load()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'pretrain.py')
+    return load_config(f'{path}:size={size}')
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    opts = parse_arg(arg, {'size': 'tiny', 'draft': ''})
-    size = opts['size']
-    if size not in _DEFAULT_DRAFT:
-        raise ValueError(
-            f'configs/cotrain.py: size={size!r}; expected one of {sorted(_DEFAULT_DRAFT)}'
-        )
+    opts = parse_arg(arg, size=one_of('tiny', _DEFAULT_DRAFT), draft='')  # '' = size's default
+    size = opts.size
     c = _target_config(size)  # mode, seed, data, model (the target), train, mesh
     c.mode = 'cotrain'
     c.draft = model_config(
-        opts['draft'] or _DEFAULT_DRAFT[size],
+        opts.draft or _DEFAULT_DRAFT[size],
         c.data.get_ref('vocab_size'),
         c.data.get_ref('seq_len'),
     )  # draft Transformer

@@ -4,7 +4,8 @@ First train a target, then distill. On a 2-core CPU the tiny preset takes about 
 (300 steps at ~1 s; measured 5.4 min on a shared machine), and ends with α, predicted τ, a
 measured speculative run and predicted speedup in <workdir>/results.json:
 
-  python -m specjax.main --config=configs/target.py:size=small --workdir=/tmp/specjax/target_small
+  python -m specjax.main --config=configs/pretrain.py:size=small \
+      --workdir=/tmp/specjax/target_small
   python -m specjax.main --config=configs/distill.py:size=tiny \
       --workdir=/tmp/specjax/distill_tiny \
       --config.distill.teacher_workdir=/tmp/specjax/target_small
@@ -27,8 +28,9 @@ Rerunning with the same --workdir resumes (the teacher must be the same checkpoi
 
 import ml_collections
 
+from specjax.config_files import one_of, parse_arg
 from specjax.data import default_data_config
-from specjax.distill.config import default_distill_config, model_config, parse_arg
+from specjax.distill.config import default_distill_config, model_config
 from specjax.parallel import default_mesh_config
 from specjax.train.config import default_train_config
 
@@ -42,9 +44,7 @@ _TRAIN = {
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    size = parse_arg(arg, {'size': 'tiny'})['size']
-    if size not in _TRAIN:
-        raise ValueError(f'configs/distill.py: size={size!r}; expected one of {sorted(_TRAIN)}')
+    size = parse_arg(arg, size=one_of('tiny', _TRAIN)).size
     steps, batch, lr, warmup, log_every, eval_every = _TRAIN[size]
     c = ml_collections.ConfigDict()
     c.mode = 'distill'  # specjax.main dispatches on this

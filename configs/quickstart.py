@@ -5,7 +5,7 @@ Run (2-core CPU; the corpus is prepared on first use; README, Quickstart, has me
   python -m specjax.main --config=configs/quickstart.py --workdir=/tmp/specjax/quickstart
 
 Stages, each in its own sub-workdir of --workdir and run by the existing mode functions:
-  target           pretrain the target (configs/target.py; mode pretrain)
+  target           pretrain the target (configs/pretrain.py; mode pretrain)
   draft_ce         a draft trained with next-token cross-entropy only (mode distill with
                    kd_weight 0, ce_weight 1: same size, steps and data as draft_distilled)
   draft_distilled  a draft distilled from the target: FKL on target-generated continuations,
@@ -49,8 +49,8 @@ import os
 
 import ml_collections
 
+from specjax.config_files import load_config, one_of, parse_arg
 from specjax.models import presets
-from specjax.sweeps.spec import ConfigRef
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -124,27 +124,15 @@ _CONTINUED = (
 
 
 def _load(name: str, arg: str) -> ml_collections.ConfigDict:
-    return ConfigRef(os.path.join(_HERE, f'{name}.py'), arg).load()
+    return load_config(os.path.join(_HERE, f'{name}.py:{arg}'))
 
 
 def _parse(arg) -> tuple[str, str]:
     """'size=tiny' | 'tiny' | 'model=smollm2' | 'model=smollm2,size=tiny' -> (model, size)."""
-    opts = {'model': 'embedded', 'size': 'full'}
-    for item in (arg or '').split(','):
-        if item and '=' not in item:
-            item = f'size={item}'
-        key, _, value = item.partition('=')
-        if item and (key not in opts or value not in _CHOICES[key]):
-            raise ValueError(
-                f'configs/quickstart.py argument {arg!r}: expected comma-separated '
-                f'model={"|".join(_CHOICES["model"])} and size={"|".join(_PRESETS)}'
-            )
-        if item:
-            opts[key] = value
-    return opts['model'], opts['size']
-
-
-_CHOICES = {'model': ('embedded', 'smollm2'), 'size': tuple(_PRESETS)}
+    opts = parse_arg(
+        arg, size=one_of('full', _PRESETS), model=one_of('embedded', ('embedded', 'smollm2'))
+    )  # size first: a bare 'tiny' is size=tiny
+    return opts.model, opts.size
 
 
 def _train(t, steps: int, batch: int, lr: float, evals: int) -> None:
@@ -192,12 +180,12 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     # target); timing stages always run alone. 0 = auto: 2 on a multi-core CPU, else 1
     c.parallel_stages = 0
 
-    c.data = _load('target', 'size=tiny').data  # shared by every stage (seq_len per stage)
+    c.data = _load('pretrain', 'size=tiny').data  # shared by every stage (seq_len per stage)
     c.data.vocab_size = p['vocab_size']
     c.data.seq_len = p['seq_len']
 
     shape, steps, batch = p['target']
-    c.target = _load('target', 'size=small')  # a pretrain config; model from the registry
+    c.target = _load('pretrain', 'size=small')  # a pretrain config; model from the registry
     c.target.data.seq_len = p['seq_len']
     m = c.target.model
     m.update(presets.shape('target', shape))

@@ -23,7 +23,7 @@ import os
 
 import ml_collections
 
-from specjax.sweeps.spec import ConfigRef
+from specjax.config_files import load_config, one_of, parse_arg
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,7 +85,7 @@ _ESTIMATES = {  # seconds measured on the 2-core CPU (README, SmolLM2); the ETA 
 
 
 def _load(name: str, arg: str) -> ml_collections.ConfigDict:
-    return ConfigRef(os.path.join(_HERE, f'{name}.py'), arg).load()
+    return load_config(os.path.join(_HERE, f'{name}.py:{arg}'))
 
 
 # SmolLM2-135M's block shape (DESIGN.md, measured facts): a draft started from its first layers
@@ -128,9 +128,7 @@ def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    size = (arg or 'size=full').partition('=')[2] or 'full'
-    if size not in _PRESETS:
-        raise ValueError(f'configs/quickstart_smollm2.py argument {arg!r}: expected size=full|tiny')
+    size = parse_arg(arg, size=one_of('full', _PRESETS)).size
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'
@@ -139,7 +137,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.stages = 'all'
     c.compilation_cache = '~/.cache/specjax/jax-cache'
 
-    c.data = _load('target', 'size=tiny').data
+    c.data = _load('pretrain', 'size=tiny').data
     c.data.tokenizer = 'huggingface'  # SmolLM2's own, read from <workdir>/target at run time
     c.data.tokenizer_path = ''
     c.data.seq_len = p['seq_len']

@@ -5,7 +5,7 @@ lengths k and sampling settings, measures c and v(k) on this hardware, and write
 <workdir>/spec_eval.json (acceptance statistics per bucket, wall time per token, measured vs
 predicted speedup, optimal k, peak memory) plus <workdir>/results.json (headline numbers).
 
-Trained checkpoints (after configs/target.py and configs/distill.py; CPU, ~3-4 minutes):
+Trained checkpoints (after configs/pretrain.py and configs/distill.py; CPU, ~3-4 minutes):
 
   python -m specjax.main --config=configs/spec_eval.py:checkpoints \
       --workdir=/tmp/specjax/spec_eval \
@@ -29,6 +29,7 @@ a flag, e.g. --config.eval.ks='(1,2,3,4)' --config.eval.samplings='((0.0,0,1.0),
 
 import ml_collections
 
+from specjax.config_files import one_of, parse_arg
 from specjax.data import default_data_config
 from specjax.parallel import default_mesh_config
 
@@ -54,9 +55,7 @@ def _model(d_model, n_layers, n_heads, d_ff, vocab_ref, max_len) -> ml_collectio
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    preset = arg or 'random'
-    if preset not in _PRESETS:
-        raise ValueError(f'configs/spec_eval.py argument {arg!r}: expected one of {_PRESETS}')
+    preset = parse_arg(arg, preset=one_of('random', _PRESETS)).preset  # 'random' | 'checkpoints'
     c = ml_collections.ConfigDict()
     c.mode = 'spec_eval'  # specjax.main dispatches on this
     c.seed = 0  # random-init weights, prompt choice and sampling keys

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs N cooperating JAX processes on this machine (CPU, gloo collectives), as a pod would.
 # Usage: launch/local_multiprocess.sh NUM_PROCESSES DEVICES_PER_PROCESS -- <python -m specjax.main args>
-# Example: launch/local_multiprocess.sh 2 2 -- --config=configs/target.py:size=tiny \
+# Example: launch/local_multiprocess.sh 2 2 -- --config=configs/pretrain.py:size=tiny \
 #            --config.mesh.shape='(-1,1,1)' --workdir=/tmp/mp_run
 # Environment: SPECJAX_PYTHON (default python), SPECJAX_MODULE (default specjax.main; the tests
 # run their own worker), SPECJAX_LOG_DIR (default .: proc_<i>.log per process), SPECJAX_PORT.

@@ -4,7 +4,7 @@
 # a run that exits 42 (SIGTERM, checkpoint committed) is started again on that worker.
 # Usage: launch/tpu_vm.sh TPU_NAME ZONE WORKDIR -- <python -m specjax.main args except --workdir>
 # Example: launch/tpu_vm.sh my-v5p-64 us-east5-a gs://my-bucket/specjax/target_base -- \
-#            --config=configs/target.py:size=base --config.mesh.shape='(1,-1,1)'
+#            --config=configs/pretrain.py:size=base --config.mesh.shape='(1,-1,1)'
 # Each argument reaches specjax.main exactly as given here (tuples, spaces and quotes included):
 # they are written, shell-quoted, into a run script that is copied to the workers, never
 # re-split by a remote shell. Only the checkout's tracked and new files are copied (no .venv,

@@ -13,7 +13,7 @@ from specjax.preflight.memory_plan import DEVICE_MEMORY_GIB, GIB, Item, MemoryPl
 
 _SCRIPT = textwrap.dedent(
     """
-  import importlib.util, math
+  import math
   import jax, numpy as np
   from specjax.models import init_cache
   from specjax.parallel import make_mesh
@@ -22,13 +22,8 @@ _SCRIPT = textwrap.dedent(
   from specjax.train.optimizer import make_optimizer
   from specjax.train.state import plan_train_state
   from specjax.models import TransformerConfig
+  from specjax.config_files import load_config
   assert jax.device_count() == 8, jax.devices()
-
-  def load(path, arg):
-    spec = importlib.util.spec_from_file_location('cfg', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
 
   def device_bytes(tree):
     # Bytes that device 0 really holds for every leaf of `tree`.
@@ -39,7 +34,7 @@ _SCRIPT = textwrap.dedent(
     return total
 
   for shape in [(8, 1, 1), (2, 2, 2), (1, 4, 2)]:
-    config = load('configs/target.py', 'size=tiny')
+    config = load_config('configs/pretrain.py:size=tiny')
     config.mesh.shape = shape
     mesh = make_mesh(config.mesh)
     plan = plan_for_config(config, mesh, compile_step=shape == (2, 2, 2))
@@ -58,14 +53,14 @@ _SCRIPT = textwrap.dedent(
     if shape == (8, 1, 1):  # pure data parallelism: every device holds every parameter
       assert items['model params'] == sum(x.nbytes for x in jax.tree.leaves(state.params))
 
-  config = load('configs/spec_eval.py', 'random')
+  config = load_config('configs/spec_eval.py:random')
   config.mesh.shape = (2, 2, 2)
   plan = plan_for_config(config, compile_step=True)
   names = [i.name for i in plan.items]
   assert names[:2] == ['target params', 'draft params'], names
   assert any(n.startswith('target KV cache') for n in names), names
   assert plan.temporaries > 0
-  config = load('configs/cotrain.py', 'size=tiny')
+  config = load_config('configs/cotrain.py:size=tiny')
   config.mesh.shape = (2, 2, 2)
   plan = plan_for_config(config, compile_step=False)
   assert [i.name for i in plan.items] == ['target params', 'target optimizer state',

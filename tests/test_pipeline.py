@@ -4,7 +4,6 @@ errors for a mismatched draft vocabulary."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import signal
@@ -15,6 +14,7 @@ import jax
 import pytest
 from data_fixtures import toy_data_config
 
+from specjax import config_files
 from specjax.checkpoint import Checkpoints
 from specjax.data import ByteTokenizer, default_data_config
 from specjax.workdir import PREEMPTED_EXIT_CODE
@@ -23,10 +23,7 @@ CONFIGS = pathlib.Path(__file__).parents[1] / 'configs'
 
 
 def load_config(name: str, arg: str | None):
-    spec = importlib.util.spec_from_file_location(f'cfg_{name}', CONFIGS / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_files.load_config(config_files.join_spec(CONFIGS / f'{name}.py', arg))
 
 
 def toy_overrides(data_dir: str) -> dict:
@@ -50,7 +47,7 @@ def test_readme_pipeline_with_sigterm_exit_status(toy_data_dir, tmp_path, monkey
     # 1. pretrain, as the README's command, stopped by SIGTERM: exit 42 after the checkpoint.
     flags = [f'--config.{k}={v}' for k, v in toy_overrides(toy_data_dir).items()]
     proc = subprocess.Popen(
-        [sys.executable, '-m', 'specjax.main', f'--config={CONFIGS / "target.py"}:size=tiny']
+        [sys.executable, '-m', 'specjax.main', f'--config={CONFIGS / "pretrain.py"}:size=tiny']
         + [f'--workdir={target_wd}', '--config.train.steps=100000', *flags],
         env=dict(
             os.environ,

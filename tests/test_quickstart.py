@@ -15,6 +15,7 @@ import time
 import pytest
 from data_fixtures import prepared_stdlib_dir
 
+from specjax.config_files import load_config
 from specjax.evaluation.tables import fmt
 from specjax.quickstart import pipeline as quickstart
 from specjax.quickstart import report as quickstart_report
@@ -42,10 +43,7 @@ SECTIONS = (
 
 
 def _config(target_lr=3e-3, **steps):
-    spec = importlib.util.spec_from_file_location('quickstart_config', _CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config('size=tiny')
+    c = load_config(f'{_CONFIG}:size=tiny')
     c.data.data_dir = prepared_stdlib_dir()
     c.compilation_cache = ''  # tests/conftest.py already set the suite's cache
     # cotrain follows the target's schedule from step 24 - 12 (configs/quickstart.py's references)
@@ -221,7 +219,8 @@ def test_plots_select_no_backend_and_say_when_matplotlib_is_missing(tmp_path, mo
     """A notebook's inline backend survives specjax's PNGs: pyplot is never imported."""
     code = (
         'import sys\n'
-        'from specjax.experiments import plots, quickstart_plots\n'
+        'from specjax.quickstart import plots as quickstart_plots\n'
+        'from specjax.sweeps import plots\n'
         'fig = plots.new_figure(figsize=(2, 2))\n'
         'fig.subplots().plot([0, 1])\n'
         'quickstart_plots._save(fig, sys.argv[1], "x.png")\n'

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -10,6 +9,7 @@ import ml_collections
 import pytest
 from data_fixtures import prepare_toy, toy_data_config, toy_documents
 
+from specjax.config_files import join_spec, load_config
 from specjax.data import ByteTokenizer
 from specjax.evaluation import spec_eval
 from specjax.evaluation.pairs import check_identities
@@ -19,10 +19,7 @@ _CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'spec_eval.py
 
 
 def _load_config(arg):
-    spec = importlib.util.spec_from_file_location('spec_eval_config', _CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return load_config(join_spec(_CONFIG, arg))
 
 
 @pytest.fixture(scope='module')

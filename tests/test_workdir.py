@@ -3,7 +3,6 @@ one-flag unknown-field message, and the README's TensorBoard instruction."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import re
@@ -12,6 +11,7 @@ import ml_collections
 import pytest
 
 from specjax import main
+from specjax.config_files import join_spec, load_config
 from specjax.evaluation import spec_eval
 from specjax.workdir import check_results_owner, config_hash, write_results
 
@@ -19,10 +19,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 
 def spec_eval_config(arg='random'):
-    spec = importlib.util.spec_from_file_location('spec_eval_cfg', ROOT / 'configs/spec_eval.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return load_config(join_spec(ROOT / 'configs/spec_eval.py', arg))
 
 
 def test_spec_eval_leaves_a_training_workdirs_results_intact(tmp_path, monkeypatch):
@@ -77,7 +74,7 @@ def test_a_sampling_may_have_its_own_ks_checked_before_loading():
 def test_unknown_field_message_names_only_the_bad_flag():
     argv = [
         'prog',
-        f'--config={ROOT / "configs/target.py"}:size=tiny',
+        f'--config={ROOT / "configs/pretrain.py"}:size=tiny',
         '--workdir=/tmp/x',
         '--config.train.steps=5',
         '--config.train.stepz=1',
@@ -111,7 +108,7 @@ def _parse(argv):
 @pytest.mark.parametrize(
     'config_arg, group',
     [
-        ('configs/target.py:size=tiny', 'model'),
+        ('configs/pretrain.py:size=tiny', 'model'),
         ('configs/distill.py', 'draft'),
         ('configs/cotrain.py', 'draft'),
         ('configs/spec_eval.py:random', 'draft'),

@@ -39,6 +39,7 @@ import os
 
 import ml_collections
 
+from specjax.config_files import one_of, parse_arg
 from specjax.models import TransformerConfig, presets
 from specjax.sweeps.runner import default_sweep_config
 
@@ -57,7 +58,7 @@ METRICS = (
     'step',
 )
 
-# size: target preset, N, draft preset, M, seeds, vocabulary, seq_len (configs/target.py's)
+# size: target preset, N, draft preset, M, seeds, vocabulary, seq_len (configs/pretrain.py's)
 _PRESETS = {
     'smoke': ('tiny', 8, 'test', 4, 1, 1024, 128),
     'tiny': ('tiny', 300, 'test', 100, 3, 4096, 128),
@@ -66,13 +67,7 @@ _PRESETS = {
 
 
 def _size(arg) -> str:
-    key, _, value = (arg or 'size=tiny').partition('=')
-    if key != 'size' or value not in _PRESETS:
-        raise ValueError(
-            f'configs/ablations/cotrain_vs_distill.py argument {arg!r}: expected '
-            f'size={"|".join(_PRESETS)}'
-        )
-    return value
+    return parse_arg(arg, size=one_of('tiny', _PRESETS)).size  # 'size=tiny' or 'tiny'
 
 
 def _model(kind: str, name: str, vocab: int, seq_len: int) -> TransformerConfig:
@@ -100,7 +95,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.sweep.prereqs = (
         {
             'name': 'target',
-            'config': os.path.join(_CONFIGS, f'target.py:size={target}'),
+            'config': os.path.join(_CONFIGS, f'pretrain.py:size={target}'),
             'overrides': dict(data, **{'train.steps': n}),
         },
     )

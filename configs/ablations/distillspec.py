@@ -25,9 +25,9 @@ points are skipped. Outputs: <workdir>/summary.{md,csv,json}, <workdir>/plots/*.
 point <workdir>/points/<name>/{results.json,sweep.log,sweep_status.json}.
 
 Presets (`:size=...`):
-  tiny   target configs/target.py:size=tiny (300 steps), draft configs/distill.py:size=test
+  tiny   target configs/pretrain.py:size=tiny (300 steps), draft configs/distill.py:size=test
          (d_model 32 x 1 layer) for 100 steps, 32 generated tokens per prompt.
-  small  target configs/target.py:size=small (1000 steps), draft configs/distill.py:size=tiny
+  small  target configs/pretrain.py:size=small (1000 steps), draft configs/distill.py:size=tiny
          (d_model 64 x 2 layers) for 300 steps, 64 generated tokens: hours on a 2-core CPU,
          minutes per point on an accelerator.
 """
@@ -36,6 +36,7 @@ import os
 
 import ml_collections
 
+from specjax.config_files import one_of, parse_arg
 from specjax.distill.results import HEADLINE_METRICS
 from specjax.sweeps.runner import default_sweep_config
 
@@ -53,12 +54,7 @@ _PRESETS = {
 
 
 def _size(arg) -> str:
-    key, _, value = (arg or 'size=tiny').partition('=')
-    if key != 'size' or value not in _PRESETS:
-        raise ValueError(
-            f'configs/ablations/distillspec.py argument {arg!r}: expected size={"|".join(_PRESETS)}'
-        )
-    return value
+    return parse_arg(arg, size=one_of('tiny', _PRESETS)).size  # 'size=tiny' or 'tiny'
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
@@ -71,7 +67,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.sweep.prereqs = (
         {
             'name': 'target',
-            'config': os.path.join(_CONFIGS, f'target.py:size={target}'),
+            'config': os.path.join(_CONFIGS, f'pretrain.py:size={target}'),
             'overrides': {'train.steps': target_steps},
         },
     )

@@ -26,7 +26,7 @@ Presets (`:size=...`):
   smoke  seconds-long runs of drafts test and tiny on dataset batches, 1 seed (the test suite
          sweeps it end to end).
   tiny   as above.
-  small  target configs/target.py:size=small (1000 steps); drafts test, tiny, small and medium
+  small  target configs/pretrain.py:size=small (1000 steps); drafts test, tiny, small and medium
          for 300 steps, 3 seeds: hours on a 2-core CPU, minutes per point on an accelerator.
 """
 
@@ -34,6 +34,7 @@ import os
 
 import ml_collections
 
+from specjax.config_files import one_of, parse_arg
 from specjax.models import presets
 from specjax.sweeps.runner import default_sweep_config
 
@@ -62,12 +63,7 @@ _PRESETS = {
 
 
 def _size(arg) -> str:
-    key, _, value = (arg or 'size=tiny').partition('=')
-    if key != 'size' or value not in _PRESETS:
-        raise ValueError(
-            f'configs/ablations/draft_size.py argument {arg!r}: expected size={"|".join(_PRESETS)}'
-        )
-    return value
+    return parse_arg(arg, size=one_of('tiny', _PRESETS)).size  # 'size=tiny' or 'tiny'
 
 
 def draft_axis(names) -> tuple:
@@ -88,7 +84,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.sweep.prereqs = (
         {
             'name': 'target',
-            'config': os.path.join(_CONFIGS, f'target.py:size={target}'),
+            'config': os.path.join(_CONFIGS, f'pretrain.py:size={target}'),
             'overrides': dict(data, **{'train.steps': target_steps}),
         },
     )

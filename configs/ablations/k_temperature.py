@@ -1,7 +1,7 @@
 r"""k x temperature ablation: one fixed target-draft pair decoded speculatively at every draft
 length k and sampling temperature, against the target decoding alone.
 
-The pair is trained once (prerequisites): a target (configs/target.py) and a draft distilled
+The pair is trained once (prerequisites): a target (configs/pretrain.py) and a draft distilled
 from it with the DistillSpec ablation's best setting (FKL on target-generated continuations,
 configs/ablations/distillspec.py). Every point is mode spec_eval (configs/spec_eval.py) with one
 k and one temperature (top_k 0, top_p 1): it times c and v(k) on this machine, decodes the
@@ -30,7 +30,7 @@ Presets (`:size=...`):
   smoke  seconds-long models (the draft on dataset batches) and 1 k x 2 T x 1 seed (the test
          suite sweeps it end to end).
   tiny   as above (minutes on a 2-core CPU).
-  small  target configs/target.py:size=small (1000 steps), draft distill.py:size=tiny (300
+  small  target configs/pretrain.py:size=small (1000 steps), draft distill.py:size=tiny (300
          steps), 64 generated tokens, 3 seeds: about an hour of training plus ~1 min per point.
 """
 
@@ -38,6 +38,7 @@ import os
 
 import ml_collections
 
+from specjax.config_files import one_of, parse_arg
 from specjax.sweeps.runner import default_sweep_config
 
 _CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,13 +98,7 @@ _PRESETS = {
 
 
 def _size(arg) -> str:
-    key, _, value = (arg or 'size=tiny').partition('=')
-    if key != 'size' or value not in _PRESETS:
-        raise ValueError(
-            f'configs/ablations/k_temperature.py argument {arg!r}: expected '
-            f'size={"|".join(_PRESETS)}'
-        )
-    return value
+    return parse_arg(arg, size=one_of('tiny', _PRESETS)).size  # 'size=tiny' or 'tiny'
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
@@ -117,7 +112,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.sweep.prereqs = (
         {
             'name': 'target',
-            'config': os.path.join(_CONFIGS, f'target.py:size={p["target"]}'),
+            'config': os.path.join(_CONFIGS, f'pretrain.py:size={p["target"]}'),
             'overrides': dict(data, **{'train.steps': p['target_steps']}),
         },
         {

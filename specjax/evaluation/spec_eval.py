@@ -126,9 +126,7 @@ def run(config, workdir: str) -> dict:
     ev = config.eval
     samplings, ks = _check_eval(ev)
     check_lengths(ev, ks, model_max_lens(config))
-    with workdir_lib.hold(workdir, 'spec_eval'):
-        for name in ('results.json', 'spec_eval.json'):
-            workdir_lib.check_results_owner(workdir, 'spec_eval', name)
+    with workdir_lib.opened(workdir, 'spec_eval', results=('results.json', 'spec_eval.json')):
         return _run(config, workdir, ev, samplings, ks, started)
 
 

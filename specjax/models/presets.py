@@ -1,9 +1,11 @@
 """Model size presets: the one registry that configs, benchmarks and experiments read.
 
 Shapes only (vocab_size and max_len come from the data config). TARGETS are pretrained targets
-(configs/target.py, configs/cotrain.py, configs/quickstart.py); DRAFTS are drafts and distilled
+(configs/pretrain.py, configs/cotrain.py, configs/quickstart.py); DRAFTS are drafts and distilled
 students (configs/distill.py, configs/cotrain.py's draft). Each is a dict of TransformerConfig
-fields: d_model, n_layers, n_heads, n_kv_heads, d_ff.
+fields: d_model, n_layers, n_heads, n_kv_heads, d_ff. PAIRS are the benchmarks' random-init
+target/draft pairs (benchmarks/cli.py --preset), complete with vocab_size and max_len since no
+data config stands behind them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,27 @@ DRAFTS = {
     'small': _shape(128, 2, 4, 4, 512),  # ~0.9M
     'medium': _shape(256, 4, 4, 4, 1024),  # for accelerator targets
 }
+
+
+# name: target and draft TransformerConfig fields (shape, vocab_size, max_len) of a random-init
+# benchmark pair (benchmarks.sampling, .engine, .xla_flags, .round_profile without a workdir).
+PAIRS = {
+    'default': dict(
+        target=dict(_shape(512, 6, 8, 8, 1408), vocab_size=4096, max_len=256),  # ~21M params
+        draft=dict(_shape(256, 2, 4, 4, 704), vocab_size=4096, max_len=256),  # ~2.7M
+    ),
+    'tiny': dict(  # seconds-long smoke runs
+        target=dict(_shape(64, 2, 4, 4, 128), vocab_size=512, max_len=128),
+        draft=dict(_shape(32, 1, 2, 2, 64), vocab_size=512, max_len=128),
+    ),
+}
+
+
+def pair(name: str) -> tuple[dict, dict]:
+    """(target, draft) TransformerConfig fields of PAIRS[name]; ValueError naming the known."""
+    if name not in PAIRS:
+        raise ValueError(f'pair preset {name!r} unknown; known: {sorted(PAIRS)}')
+    return dict(PAIRS[name]['target']), dict(PAIRS[name]['draft'])
 
 
 def shape(kind: str, name: str) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -33,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
+
+from specjax.config_files import load_config
 
 _NAME_RE = re.compile(r'^[A-Za-z0-9_.+-]+$')
 _REF_RE = re.compile(r'\$\{([^}]*)\}')
@@ -66,16 +67,7 @@ class ConfigRef:
 
     def load(self) -> ml_collections.ConfigDict:
         """get_config([arg]) of the file, loaded by path like ml_collections' config_flags."""
-        if not os.path.isfile(self.path):
-            raise ValueError(f'Config file {self.path!r} does not exist (cwd {os.getcwd()!r})')
-        name = 'specjax_sweep_cfg_' + re.sub(r'\W', '_', os.path.abspath(self.path))
-        module_spec = importlib.util.spec_from_file_location(name, self.path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        config = module.get_config() if self.arg is None else module.get_config(self.arg)
-        if not isinstance(config, ml_collections.ConfigDict):
-            raise ValueError(f'{self.flag}: get_config() returned {type(config).__name__}')
-        return config
+        return load_config(self.flag)
 
 
 @dataclasses.dataclass(frozen=True)
