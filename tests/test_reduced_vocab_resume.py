@@ -155,7 +155,7 @@ def test_second_writer_and_other_modes_are_refused(setup, tmp_path):  # noqa: F8
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['config.train.weight_decay'"):
         rt.train_draft(c, cache, tok, str(tmp_path / 'bad'))
     assert not (tmp_path / 'bad').exists()
-    c = _load_config('model=smollm2')  # the preset checks its drafts' loop fields up front
+    c = _load_config('preset=smollm2')  # the preset checks its drafts' loop fields up front
     c.draft_ce.train.checkpoint_every = 0
     with pytest.raises(ValueError, match=r'config.draft_ce.train.checkpoint_every must be a pos'):
         check_config(c)

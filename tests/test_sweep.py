@@ -359,3 +359,15 @@ def test_named_axis_sets_its_fields_and_variant_runs_its_own_config(base_file, t
     mixed = make_config(base_file, grid=(('x', (1.0, (2.0, {'x': 2.0}))),))
     with pytest.raises(ValueError, match='mix of plain values'):
         plan_sweep(mixed.sweep, str(tmp_path / 'w3'))
+
+
+def test_renamed_config_files_keep_matching_recorded_runs():
+    """A run recorded with configs/target.py (the old name) is the same run as pretrain.py."""
+    from specjax.sweeps.spec import same_identity
+
+    now = {'config_file': 'pretrain.py', 'config_arg': 'size=tiny', 'overrides': []}
+    assert same_identity(dict(now, config_file='target.py'), now)
+    assert same_identity(now, now)
+    assert not same_identity(dict(now, config_arg='size=small'), now)
+    assert not same_identity(dict(now, config_file='distill.py'), now)
+    assert not same_identity(None, now)

@@ -27,7 +27,7 @@ Run (tiny: the 0.39M tiny target and the 0.14M test draft; N = 300, M = 100, S f
   python -m specjax.main --config=configs/ablations/cotrain_vs_distill.py:size=tiny \
       --workdir=/tmp/specjax/cotrain_vs_distill_tiny
 
-Expected durations: README, Findings. Rerunning resumes.
+Expected durations: docs/findings.md. Rerunning resumes.
 
 Presets (`:size=...`):
   smoke  seconds-long runs, 1 seed (the test suite sweeps it end to end).

@@ -19,7 +19,7 @@ Run (tiny: a ~0.4M-param target, ~0.14M-param drafts, 3 seeds; 21 x 3 = 63 disti
 Measured (2026-11-30, 2-core CPU shared with one other training job): the whole tiny sweep,
 63/63 points, took 1573 s (26 min); a point takes a median 22 s with the sweep's shared JAX
 compilation cache warm. At this scale the drafts stay near-unigram after 100 steps, so the T = 0
-columns (argmax agreement) are degenerate; the T = 1 columns separate (README, Findings).
+columns (argmax agreement) are degenerate; the T = 1 columns separate (docs/findings.md).
 Fewer seeds for a smoke run: --config.sweep.seeds=1. Rerunning the same command resumes: finished
 points are skipped. Outputs: <workdir>/summary.{md,csv,json}, <workdir>/plots/*.png, and per
 point <workdir>/points/<name>/{results.json,sweep.log,sweep_status.json}.

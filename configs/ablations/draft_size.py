@@ -20,7 +20,7 @@ Run (tiny: the 0.39M tiny target, 300 steps; drafts test, tiny and small, 100 st
 
 At tiny the tiny and small drafts are as large as the target or larger (c >= 1), so the speedup
 must fall; `small` uses the 3.4M small target, where the trade-off is a real one. Expected
-durations: README, Findings. Rerunning resumes.
+durations: docs/findings.md. Rerunning resumes.
 
 Presets (`:size=...`):
   smoke  seconds-long runs of drafts test and tiny on dataset batches, 1 seed (the test suite

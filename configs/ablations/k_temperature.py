@@ -22,7 +22,7 @@ spec_eval points):
   python -m specjax.main --config=configs/ablations/k_temperature.py:size=tiny \
       --workdir=/tmp/specjax/k_temperature_tiny
 
-Measured and expected durations: README, Findings. Rerunning resumes (finished points are
+Measured and expected durations: docs/findings.md. Rerunning resumes (finished points are
 skipped). Outputs: <workdir>/summary.{md,csv,json}, <workdir>/plots/*.png, and per point
 <workdir>/points/<name>/{results.json,spec_eval.json,sweep.log,sweep_status.json}.
 

@@ -85,21 +85,6 @@ def default_distill_config() -> ml_collections.ConfigDict:
     return c
 
 
-def parse_arg(arg: str | None, defaults: dict) -> dict:
-    """'size=tiny,draft=test' -> dict of preset options (keys must be in defaults)."""
-    out = dict(defaults)
-    if not arg:
-        return out
-    for item in arg.split(','):
-        key, sep, value = item.partition('=')
-        if not sep or key not in defaults:
-            raise ValueError(
-                f'config argument {item!r}: expected key=value with key in {sorted(defaults)}'
-            )
-        out[key] = value
-    return out
-
-
 def _check_unit(value, field: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f'{field} must be in [0, 1], got {value!r}')

@@ -1,6 +1,6 @@
 r"""Memory planner: the bytes each device holds for a run, known before launching it.
 
-  python -m specjax.preflight.memory --config=configs/target.py:size=base --num_devices=8 \
+  python -m specjax.preflight.memory --config=configs/pretrain.py:size=base --num_devices=8 \
       --device=tpu-v5e
 
 For the config's mesh, rules and batch, per device (the most loaded shard of every array):

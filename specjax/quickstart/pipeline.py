@@ -39,8 +39,8 @@ class StageOutcomes(dict):
 
 
 def stages_of(config) -> tuple[Stage, ...]:
-    """The preset's stages: STAGES, or SmolLM2's (config.model='smollm2')."""
-    if config.get('model', 'embedded') == 'smollm2':
+    """The preset's stages: STAGES, or SmolLM2's (config.preset='smollm2')."""
+    if config.get('preset', 'embedded') == 'smollm2':
         from specjax.quickstart import smollm2 as quickstart_smollm2
 
         return quickstart_smollm2.stages(config)
@@ -146,7 +146,7 @@ def run(config, workdir: str) -> dict:
     preempted stage: SIGTERM saves a checkpoint, and a rerun resumes from it)."""
     stages = selected(config)
     check_plotting()
-    if config.get('model', 'embedded') == 'smollm2':
+    if config.get('preset', 'embedded') == 'smollm2':
         from specjax.quickstart import smollm2 as quickstart_smollm2
 
         quickstart_smollm2.check_available(config.target.source)

@@ -1,6 +1,6 @@
 """The quickstart's stages with SmolLM2-135M (imported, never trained here) as the target.
 
-configs/quickstart.py:model=smollm2 selects these stages (specjax.quickstart.pipeline runs
+configs/quickstart.py:preset=smollm2 selects these stages (specjax.quickstart.pipeline runs
 them alike: each in <workdir>/<stage>, finished when its results file exists):
   target           python -m specjax.interop import --source=smollm2-135m, as a stage
   teacher_cache    once: the N most frequent SmolLM2 tokens of the embedded corpus' train split
@@ -39,7 +39,7 @@ def check_available(source: str) -> None:
     missing = [m for m in ('gguf', 'tokenizers') if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(
-            f'configs/quickstart.py:model=smollm2 needs the interop extra ({missing} not '
+            f'configs/quickstart.py:preset=smollm2 needs the interop extra ({missing} not '
             "installed): pip install -e '.[hf]'"
         )
     if source in BUNDLED:

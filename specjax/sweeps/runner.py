@@ -54,6 +54,7 @@ from specjax.sweeps.spec import (
     plan_sweep,
     point_dir,
     read_status,
+    same_identity,
     sha256_file,
 )
 
@@ -214,7 +215,7 @@ def check_workdir(plan: SweepPlan) -> list[tuple[str, str]]:
     for run in plan.prereqs + plan.points:
         wd = point_dir(plan, run)
         status = read_status(wd)
-        if not status or status.get('identity') == run.identity():
+        if not status or same_identity(status.get('identity'), run.identity()):
             continue
         note = f'{wd}: recorded {status.get("identity")}, sweep now {run.identity()}'
         (stale if status.get('status') == 'complete' else moved).append((wd, note))

@@ -96,6 +96,18 @@ class Run:
         }
 
 
+# Config files renamed, by their old name: a sweep workdir from before the rename still matches.
+_CONFIG_ALIASES = {'target.py': 'pretrain.py', 'smollm2.py': 'spec_eval_smollm2.py'}
+
+
+def same_identity(recorded: dict | None, current: dict) -> bool:
+    """Whether a recorded Run.identity() is `current`, old config-file names counting as new."""
+    if not isinstance(recorded, dict):
+        return False
+    name = recorded.get('config_file')
+    return dict(recorded, config_file=_CONFIG_ALIASES.get(name, name)) == current
+
+
 @dataclasses.dataclass(frozen=True)
 class SweepPlan:
     workdir: str
