@@ -226,7 +226,7 @@ def test_smollm2_preset_parses_and_validates(tmp_path):
 
     for arg in ('preset=smollm2,size=tiny', 'size=tiny,preset=smollm2'):
         c = _load_config(arg)
-        assert (c.model, c.size) == ('smollm2', 'tiny')
+        assert (c.preset, c.size) == ('smollm2', 'tiny')
         assert c.draft_ce.draft.vocab_size == c.teacher_cache.reduced_vocab_size
     assert _load_config('preset=smollm2').size == 'full'
     names = [s.name for s in quickstart.selected(c)]

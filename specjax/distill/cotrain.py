@@ -132,12 +132,9 @@ def _init_from_pretrain(init, abstract: CotrainState, where: tuple[str, int], ba
     return init_state
 
 
-def build_cotrain(config, data: DistillData):
-    """Validates, plans target + draft state, jits the co-training step -> (Task, parts)."""
-    draft_cfg = validate_common(config, 'cotrain', COTRAIN_SECTIONS)
-    target_cfg = TransformerConfig.from_dict(config.model)
-    check_vocab(draft_cfg, data, 'config.draft')
-    check_vocab(target_cfg, data, 'config.model')
+def _check_pair(draft_cfg: TransformerConfig, target_cfg: TransformerConfig) -> None:
+    """ValueError naming the fields unless draft and target share a vocabulary (vocab_size) and
+    the target's max_len is at least the draft's."""
     if draft_cfg.vocab_size != target_cfg.vocab_size:
         raise ValueError(
             f'config.draft.vocab_size={draft_cfg.vocab_size} differs from '
@@ -149,6 +146,15 @@ def build_cotrain(config, data: DistillData):
             f'config.model.max_len={target_cfg.max_len} is below '
             f'config.draft.max_len={draft_cfg.max_len}'
         )
+
+
+def build_cotrain(config, data: DistillData):
+    """Validates, plans target + draft state, jits the co-training step -> (Task, parts)."""
+    draft_cfg = validate_common(config, 'cotrain', COTRAIN_SECTIONS)
+    target_cfg = TransformerConfig.from_dict(config.model)
+    check_vocab(draft_cfg, data, 'config.draft')
+    check_vocab(target_cfg, data, 'config.model')
+    _check_pair(draft_cfg, target_cfg)
     sampling = sampling_config(config)
     mesh = make_mesh(config.mesh)
     rules, draft_rules = mesh_rules(config.mesh)

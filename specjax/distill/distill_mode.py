@@ -74,13 +74,13 @@ class DistillStepper:
         return state, metrics
 
 
-def build_distill(config, data: DistillData):
-    """Validates, loads the teacher, plans the draft state, jits the step -> (Task, parts)."""
-    draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
-    check_vocab(draft_cfg, data, 'config.draft')
-    sampling = sampling_config(config)
-    mesh = make_mesh(config.mesh)
-    rules, draft_rules = mesh_rules(config.mesh)  # the teacher's, the draft's
+def _load_checked_teacher(config, draft_cfg, data: DistillData, mesh, rules) -> Teacher:
+    """The frozen teacher of config.distill on `mesh` (its params sharded by `rules`), checked
+    against the draft (check_compatible) and long enough for training and generation.
+
+    ValueError when the teacher's max_len is below config.data.seq_len or below
+    distill.prompt_len + max_new_tokens + final_spec_k + 1.
+    """
     d = config.distill
     teacher = load_teacher(d.teacher_workdir, int(d.teacher_step), mesh=mesh, rules=rules)
     check_compatible(teacher, draft_cfg, data.tokenizer)
@@ -90,6 +90,35 @@ def build_distill(config, data: DistillData):
             f"the teacher's max_len={teacher.config.max_len} is below {need} "
             '(config.data.seq_len / distill.prompt_len + max_new_tokens + k + 1)'
         )
+    return teacher
+
+
+def _generators(
+    teacher: Teacher, draft_graphdef, d, sampling, eos_id: int, mesh, rules, draft_rules, b_sharding
+) -> dict:
+    """{'teacher': ..., 'on_policy': ...}: the sources.Generator of each generated source, the
+    teacher's under `rules` and the draft's (`draft_graphdef`) under `draft_rules`, each taking
+    d.prompt_len prompt tokens and generating up to d.max_new_tokens."""
+    generators = {}
+    for kind, gd, r in (
+        ('teacher', teacher.graphdef, rules),
+        ('on_policy', draft_graphdef, draft_rules),
+    ):
+        generators[kind] = sources.Generator(
+            gd, d.prompt_len, d.max_new_tokens, sampling, eos_id, mesh, r, b_sharding
+        )
+    return generators
+
+
+def build_distill(config, data: DistillData):
+    """Validates, loads the teacher, plans the draft state, jits the step -> (Task, parts)."""
+    draft_cfg = validate_common(config, 'distill', DISTILL_SECTIONS)
+    check_vocab(draft_cfg, data, 'config.draft')
+    sampling = sampling_config(config)
+    mesh = make_mesh(config.mesh)
+    rules, draft_rules = mesh_rules(config.mesh)  # the teacher's, the draft's
+    d = config.distill
+    teacher = _load_checked_teacher(config, draft_cfg, data, mesh, rules)
     tx = make_optimizer(config.train)
     plan = plan_train_state(draft_cfg, tx, config.seed, mesh, draft_rules)
     b_sharding = batch_sharding(mesh, rules)
@@ -105,14 +134,9 @@ def build_distill(config, data: DistillData):
         b_sharding,
         mesh,
     )
-    generators = {}
-    for kind, gd, r in (
-        ('teacher', teacher.graphdef, rules),
-        ('on_policy', plan.graphdef, draft_rules),
-    ):
-        generators[kind] = sources.Generator(
-            gd, d.prompt_len, d.max_new_tokens, sampling, data.eos_id, mesh, r, b_sharding
-        )
+    generators = _generators(
+        teacher, plan.graphdef, d, sampling, data.eos_id, mesh, rules, draft_rules, b_sharding
+    )
     evaluator = Evaluator(
         plan.graphdef,
         teacher.graphdef,

@@ -107,31 +107,30 @@ def run_import(cfg, wd, root):
     jsonio.write_json(os.path.join(wd, 'results.json'), results)
 
 
-def run_teacher_cache(cfg, wd, root):
-    from specjax import data as data_lib
-    from specjax.checkpoint import load_model
+def _reduced_vocab(cfg, tok, vocab_size: int):
+    """(counts, ids, coverage) of the train split: per-id token counts over the target's
+    vocabulary, the cfg.reduced_vocab_size most frequent ids (the N-set), and the fraction of
+    train tokens inside it. ValueError (rv.top_ids) naming the field when N does not fit."""
     from specjax.data.pipeline import tokenized_split
-    from specjax.distill import reduced_train as rt
     from specjax.distill import reduced_vocab as rv
-    from specjax.distill import sources
-    from specjax.models import split
 
-    started = time.perf_counter()
-    cfg = _with_tokenizer(cfg, root)
-    tok = data_lib.build_tokenizer(cfg.data)
-    target, _ = load_model(_tokenizer_dir(root))
-    vocab_size = target.config.vocab_size
     split_ = tokenized_split(cfg.data, tok, cfg.data.train_split)
     counts = rv.corpus_counts(split_.ids, split_.offsets, vocab_size, tok.bos_id, tok.eos_id)
     ids = rv.top_ids(counts, int(cfg.reduced_vocab_size), 'config.teacher_cache.reduced_vocab_size')
     coverage = float(counts[ids].sum() / max(counts.sum(), 1))
-    b = int(cfg.batch_size)
-    train_it = data_lib.make_train_iterator(cfg.data, tok, global_batch_size=b, seed=int(cfg.seed))
-    train = [next(train_it) for _ in range(-(-int(cfg.train_rows) // b))]
-    evals = data_lib.make_eval_batches(
-        cfg.data, tok, global_batch_size=b, max_batches=-(-int(cfg.eval_rows) // b)
-    )
-    graphdef, params = split(target)
+    return counts, ids, coverage
+
+
+def _cache_arrays(cfg, graphdef, params, train, evals, ids, eos_id: int):
+    """(arrays, generate_s, train_s): the cache's arrays and the teacher's timings.
+
+    Train rows are the teacher's continuations of `train` (cfg.source 'teacher') or `train`
+    itself ('dataset'), scored with their top-K log-probs over `ids`; then the packed corpus
+    rows (corpus_*), then the eval rows scored over all of `ids`. generate_s times sampling the
+    continuations (about 0 for 'dataset'), train_s sampling plus scoring the train rows.
+    """
+    from specjax.distill import reduced_train as rt
+
     t0 = time.perf_counter()
     scored = train  # the rows the teacher scores: its continuations, or the corpus rows
     if cfg.source == 'teacher':  # DistillSpec's teacher-generated data
@@ -142,7 +141,7 @@ def run_teacher_cache(cfg, wd, root):
             prompt_len=int(cfg.prompt_len),
             max_new_tokens=int(cfg.max_new_tokens),
             temperatures=tuple(float(t) for t in cfg.temperatures),
-            eos_id=tok.eos_id,
+            eos_id=eos_id,
             seed=int(cfg.seed),
         )
     generate_s = time.perf_counter() - t0
@@ -151,15 +150,50 @@ def run_teacher_cache(cfg, wd, root):
     for x in rt.BATCH3:  # the packed corpus rows (the cross-entropy draft's)
         arrays[f'corpus_{x}'] = np.concatenate([np.asarray(b[x], np.int32) for b in train])
     arrays.update(rt.teacher_arrays(graphdef, params, evals, ids, int(cfg.top_k), 'eval'))
-    mass = np.exp(arrays['train_topk_logp'].astype(np.float32)).sum(-1)
+    return arrays, generate_s, train_s
+
+
+def _generated_mask(cfg, arrays, train) -> np.ndarray:
+    """Bool mask over the train rows' positions of the tokens the teacher generated: for source
+    'teacher' the non-padding positions at or after each row's prompt; all False for 'dataset'."""
+    from specjax.distill import sources
+
     seg = arrays['train_segment_ids']
-    valid = sources.data_masks(seg)
     generated = np.zeros_like(seg, bool)
     if cfg.source == 'teacher':  # a continuation starts after its row's prompt
         lens = np.concatenate(
             [sources.prompts_from_batch(b, int(cfg.prompt_len))[1] for b in train]
         )
         generated = (arrays['train_positions'] >= lens[:, None]) & (seg != 0)
+    return generated
+
+
+def run_teacher_cache(cfg, wd, root):
+    from specjax import data as data_lib
+    from specjax.checkpoint import load_model
+    from specjax.distill import reduced_train as rt
+    from specjax.distill import sources
+    from specjax.models import split
+
+    started = time.perf_counter()
+    cfg = _with_tokenizer(cfg, root)
+    tok = data_lib.build_tokenizer(cfg.data)
+    target, _ = load_model(_tokenizer_dir(root))
+    vocab_size = target.config.vocab_size
+    counts, ids, coverage = _reduced_vocab(cfg, tok, vocab_size)
+    b = int(cfg.batch_size)
+    train_it = data_lib.make_train_iterator(cfg.data, tok, global_batch_size=b, seed=int(cfg.seed))
+    train = [next(train_it) for _ in range(-(-int(cfg.train_rows) // b))]
+    evals = data_lib.make_eval_batches(
+        cfg.data, tok, global_batch_size=b, max_batches=-(-int(cfg.eval_rows) // b)
+    )
+    graphdef, params = split(target)
+    arrays, generate_s, train_s = _cache_arrays(
+        cfg, graphdef, params, train, evals, ids, tok.eos_id
+    )
+    mass = np.exp(arrays['train_topk_logp'].astype(np.float32)).sum(-1)
+    valid = sources.data_masks(arrays['train_segment_ids'])
+    generated = _generated_mask(cfg, arrays, train)
     vocab = {
         'ids': ids.tolist(),
         'counts': counts[ids].tolist(),

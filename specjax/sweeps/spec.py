@@ -232,15 +232,15 @@ def _resolve_pairs(pairs: Pairs, refs, what: str) -> Pairs:
     return tuple((k, _resolve(v, refs, f'{what} {k}')) for k, v in pairs)
 
 
-def plan_sweep(sweep: ml_collections.ConfigDict, workdir: str) -> SweepPlan:
-    """Validates config.sweep against the base config and lists every run, before running any."""
-    workdir = os.path.abspath(workdir)
-    base = ConfigRef.parse(sweep.get('base'), 'config.sweep.base')
-    base_config = base.load()
-    refs = {'workdir': workdir}
+def _plan_prereqs(items, workdir: str, refs: dict[str, str]) -> list[Run]:
+    """The prerequisite Runs of config.sweep.prereqs, in order, each checked against its config.
 
+    Adds `prereq.NAME` (the prerequisite's workdir) to `refs` after each one, so a later
+    prerequisite may refer to an earlier one. ValueError naming the entry when it is malformed,
+    its name is taken, or an override does not fit its config.
+    """
     prereqs = []
-    for i, item in enumerate(sweep.get('prereqs') or ()):
+    for i, item in enumerate(items):
         what = f'config.sweep.prereqs[{i}]'
         if not isinstance(item, Mapping) or set(item) - {'name', 'config', 'overrides'}:
             raise ValueError(f'{what} must be a dict with name, config, overrides; got {item!r}')
@@ -255,6 +255,40 @@ def plan_sweep(sweep: ml_collections.ConfigDict, workdir: str) -> SweepPlan:
             check_field(loaded, k, v, f'{what} ({ref.flag})')
         prereqs.append(Run(name, 'prereq', ref, overrides, resolved))
         refs[f'prereq.{name}'] = os.path.join(workdir, 'prereq', name)
+    return prereqs
+
+
+def _plan_points(configurations, common: Pairs, seeds, refs, loaded: dict) -> list[Run]:
+    """The point Runs: every configuration with each seed, in order, overrides being `common`
+    updated by the configuration's own and then the seed, each checked against its config.
+
+    `loaded` maps config flags to loaded configs; configs not in it are loaded (and added) on
+    first use. ValueError naming the point when an override does not fit.
+    """
+    points = []
+    for label, fields, own, ref in configurations:
+        if ref.flag not in loaded:
+            loaded[ref.flag] = ref.load()
+        check_field(loaded[ref.flag], 'seed', seeds[0], f'point {label} ({ref.flag})')
+        merged = dict(common)
+        merged.update(own)
+        for seed in seeds:
+            overrides = tuple(merged.items()) + (('seed', seed),)
+            resolved = _resolve_pairs(overrides, refs, f'point {label}')
+            for k, v in resolved:
+                check_field(loaded[ref.flag], k, v, f'point {label} ({ref.flag})')
+            name = f'{label}__seed-{seed}'
+            points.append(Run(name, 'point', ref, overrides, resolved, label, seed, fields))
+    return points
+
+
+def plan_sweep(sweep: ml_collections.ConfigDict, workdir: str) -> SweepPlan:
+    """Validates config.sweep against the base config and lists every run, before running any."""
+    workdir = os.path.abspath(workdir)
+    base = ConfigRef.parse(sweep.get('base'), 'config.sweep.base')
+    base_config = base.load()
+    refs = {'workdir': workdir}
+    prereqs = _plan_prereqs(sweep.get('prereqs') or (), workdir, refs)
 
     common = as_pairs(sweep.get('overrides'), 'config.sweep.overrides')
     axes = [_axis(field, values) for field, values in as_pairs(sweep.get('grid'), 'grid')]
@@ -291,21 +325,7 @@ def plan_sweep(sweep: ml_collections.ConfigDict, workdir: str) -> SweepPlan:
         raise ValueError(f'config.sweep: point name(s) {dupes} occur twice (grid vs variants?)')
 
     seeds = seeds_of(sweep.get('seeds', 1), sweep.get('first_seed', 0))
-    loaded = {base.flag: base_config}
-    points = []
-    for label, fields, own, ref in configurations:
-        if ref.flag not in loaded:
-            loaded[ref.flag] = ref.load()
-        check_field(loaded[ref.flag], 'seed', seeds[0], f'point {label} ({ref.flag})')
-        merged = dict(common)
-        merged.update(own)
-        for seed in seeds:
-            overrides = tuple(merged.items()) + (('seed', seed),)
-            resolved = _resolve_pairs(overrides, refs, f'point {label}')
-            for k, v in resolved:
-                check_field(loaded[ref.flag], k, v, f'point {label} ({ref.flag})')
-            name = f'{label}__seed-{seed}'
-            points.append(Run(name, 'point', ref, overrides, resolved, label, seed, fields))
+    points = _plan_points(configurations, common, seeds, refs, {base.flag: base_config})
     return SweepPlan(
         workdir,
         base,
