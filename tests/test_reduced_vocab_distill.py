@@ -240,8 +240,8 @@ def test_smollm2_preset_parses_and_validates(tmp_path):
     c.stages = 'cotrain'
     with pytest.raises(ValueError, match=r"unknown stage\(s\) \['cotrain'\]"):
         quickstart.selected(c)
-    with pytest.raises(ValueError, match='model=embedded\\|smollm2'):
-        _load_config('model=llama')
+    with pytest.raises(ValueError, match='preset=embedded\\|smollm2'):
+        _load_config('preset=llama')
 
 
 def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):

@@ -51,10 +51,22 @@ def compiled(fn, *args):
 
 
 def run(workdir: str, mesh_shape) -> dict:
+    """Every check in one function, on purpose (it is over 80 lines): each process must issue
+    the same device programs in the same order, and every array and compiled step it makes stays
+    alive to the end. Split into helpers that returned early, the two-process run deadlocked in
+    the checkpoint save's finiteness check (tests/test_multiprocess.py timed out); kept whole."""
+    from specjax.checkpoint import Checkpoints, abstract_with_shardings
+    from specjax.distill.sources import Generator
+    from specjax.distill.steps import LossSettings, jit_distill_step
+    from specjax.models import Transformer, TransformerConfig, split
     from specjax.parallel import batch_sharding, default_mesh_config, make_mesh, param_shardings
     from specjax.parallel.mesh import mesh_rules
+    from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
     from specjax.train.config import default_train_config
     from specjax.train.optimizer import learning_rate_schedule, make_optimizer
+    from specjax.train.state import plan_train_state
+    from specjax.train.steps import jit_train_step
+    from specjax.workdir import write_results
 
     jax.config.update('jax_default_matmul_precision', 'highest')
     mc = default_mesh_config(draft_rules='data_parallel')
@@ -62,6 +74,12 @@ def run(workdir: str, mesh_shape) -> dict:
     mesh = make_mesh(mc)
     rules, draft_rules = mesh_rules(mc)
     bs = batch_sharding(mesh, rules)
+    target_cfg = TransformerConfig(
+        vocab_size=V, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_len=32
+    )
+    draft_cfg = TransformerConfig(
+        vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_len=32
+    )
     tc = default_train_config()
     tc.update(dict(steps=10, lr=1e-3, warmup_steps=1))
     tx, schedule = make_optimizer(tc), learning_rate_schedule(tc)
@@ -69,55 +87,11 @@ def run(workdir: str, mesh_shape) -> dict:
     tokens = rng.integers(1, V, (B, T)).astype(np.int32)
     lm = dict(tokens=tokens, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
     lm['segment_ids'] = np.ones((B, T), np.int32)
+    to_global = lambda x: jax.make_array_from_process_local_data(bs, host_rows(bs, x))
     out = {}
 
-    plan, state, out['train_loss'] = _train_steps(tx, schedule, mesh, rules, bs, lm)
-
-    _progress('# A distill step on teacher')
-    teacher_gd, teacher, dplan, dstate, out['distill_loss'], generated = _distill_step(
-        tx, schedule, mesh, rules, draft_rules, bs, lm
-    )
-
-    _progress('# T = 1 speculative sampling')
-    draft, sampled, spec = _speculative(
-        teacher_gd, teacher, dplan.graphdef, mesh, rules, draft_rules, bs, tokens
-    )
-    out.update(spec)
-
-    _progress('# spec_eval and distillation evaluation')
-    placed_draft = jax.device_put(draft, param_shardings(mesh, draft, draft_rules))
-    pair = (teacher_gd, teacher, dplan.graphdef, placed_draft)
-    out.update(pair_evaluations(*pair, mesh, rules, draft_rules, bs, lm))
-
-    _progress('# Orbax save and restore')
-    out.update(_checkpoint_round_trip(workdir, plan, state))
-
-    _progress('params = gather')
-    _write(workdir, out, mc, state, dstate, generated, sampled)
-    barrier('selfcheck done')
-    return out
-
-
-def _model_configs():
-    """(target, draft) TransformerConfigs of the tiny random models."""
-    from specjax.models import TransformerConfig
-
-    target_cfg = TransformerConfig(
-        vocab_size=V, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_len=32
-    )
-    draft_cfg = TransformerConfig(
-        vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_len=32
-    )
-    return target_cfg, draft_cfg
-
-
-def _train_steps(tx, schedule, mesh, rules, bs, lm):
-    """Three sharded LM train steps: (plan, state, their losses)."""
-    from specjax.train.state import plan_train_state
-    from specjax.train.steps import jit_train_step
-
-    to_global = lambda x: jax.make_array_from_process_local_data(bs, host_rows(bs, x))
-    plan = plan_train_state(_model_configs()[0], tx, 0, mesh, rules)
+    # Sharded LM train steps.
+    plan = plan_train_state(target_cfg, tx, 0, mesh, rules)
     step = jit_train_step(plan.graphdef, tx, schedule, plan.shardings, bs, mesh)
     state, losses = plan.init(), []
     lm_global = {k: to_global(v) for k, v in lm.items()}
@@ -125,20 +99,10 @@ def _train_steps(tx, schedule, mesh, rules, bs, lm):
     for _ in range(3):  # the first step's learning rate is 0 (warm-up)
         state, metrics = step(state, lm_global)
         losses.append(float(metrics['loss']))
-    return plan, state, losses
+    out['train_loss'] = losses
 
-
-def _distill_step(tx, schedule, mesh, rules, draft_rules, bs, lm):
-    """A distill step on teacher-generated continuations of this process's prompt rows:
-    (teacher graphdef, teacher, draft plan, draft state, loss, generated tokens on host)."""
-    from specjax.distill.sources import Generator
-    from specjax.distill.steps import LossSettings, jit_distill_step
-    from specjax.models import Transformer, split
-    from specjax.parallel import param_shardings
-    from specjax.sampling import SamplingConfig, make_autoregressive_fn
-    from specjax.train.state import plan_train_state
-
-    target_cfg, draft_cfg = _model_configs()
+    _progress('# A distill step on teacher')
+    # A distill step on teacher-generated continuations of this process's prompt rows.
     teacher_gd, teacher = split(Transformer(target_cfg, rngs=nnx.Rngs(7)))
     t_sh = param_shardings(mesh, teacher, rules)
     teacher = jax.device_put(teacher, t_sh)
@@ -159,36 +123,30 @@ def _distill_step(tx, schedule, mesh, rules, draft_rules, bs, lm):
     batch.pop('domain_ids')
     dstate = dplan.init()
     dstate, dmetrics = compiled(dstep, dstate, teacher, batch)(dstate, teacher, batch)
-    return teacher_gd, teacher, dplan, dstate, float(dmetrics['loss']), to_host(batch['tokens'])
+    out['distill_loss'] = float(dmetrics['loss'])
+    generated = to_host(batch['tokens'])
 
-
-def _speculative(teacher_gd, teacher, draft_gd, mesh, rules, draft_rules, bs, tokens):
-    """T = 1 speculative sampling on host-local prompts, the draft replicated by draft_rules:
-    (the random draft's params, sampled tokens on host, {'spec_accepted', 'spec_lengths'})."""
-    from specjax.models import Transformer, split
-    from specjax.sampling import SamplingConfig, make_speculative_fn
-
-    _, draft = split(Transformer(_model_configs()[1], rngs=nnx.Rngs(8)))
+    _progress('# T = 1 speculative sampling')
+    # T = 1 speculative sampling on host-local prompts; the draft replicated by draft_rules.
+    _, draft = split(Transformer(draft_cfg, rngs=nnx.Rngs(8)))
     fn = make_speculative_fn(
-        teacher_gd, draft_gd, num_draft_tokens=K, max_new_tokens=NEW,
+        teacher_gd, dplan.graphdef, num_draft_tokens=K, max_new_tokens=NEW,
         sampling=SamplingConfig(1.0), mesh=mesh, rules=rules, draft_rules=draft_rules,
     )  # fmt: skip
     lengths = np.array([4, 1, 3, 2, 4, 4, 1, 3], np.int32)
     args = (teacher, draft, host_rows(bs, tokens[:, :PROMPT]), host_rows(bs, lengths), 5)
     res = compiled(fn, *args)(*fn.place(args))
     sampled = to_host(res.tokens)
-    spec = {
-        'spec_accepted': int(res.stats['accepted']),
-        'spec_lengths': to_host(res.lengths).tolist(),
-    }
-    return draft, sampled, spec
+    out['spec_accepted'] = int(res.stats['accepted'])
+    out['spec_lengths'] = to_host(res.lengths).tolist()
 
+    _progress('# spec_eval and distillation evaluation')
+    placed_draft = jax.device_put(draft, param_shardings(mesh, draft, draft_rules))
+    pair = (teacher_gd, teacher, dplan.graphdef, placed_draft)
+    out.update(pair_evaluations(*pair, mesh, rules, draft_rules, bs, lm))
 
-def _checkpoint_round_trip(workdir: str, plan, state) -> dict:
-    """Orbax save and restore, collectively, of the sharded train state; whether every shard,
-    every sharding and the data state came back."""
-    from specjax.checkpoint import Checkpoints, abstract_with_shardings
-
+    _progress('# Orbax save and restore')
+    # Orbax save and restore, collectively, of the sharded train state.
     ckpts = Checkpoints(str(epath.Path(workdir) / 'ckpt'), async_save=False)
     ckpts.save(3, state, data_state={'step': 3}, metadata={'selfcheck': True})
     _progress('ckpts.wait')
@@ -207,21 +165,13 @@ def _checkpoint_round_trip(workdir: str, plan, state) -> dict:
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True)
     ]
     flags = multihost_utils.process_allgather(np.asarray([all(local)]))
-    return {
-        'restore_equal': bool(np.all(flags)),
-        'restored_sharding_equal': all(
-            a.sharding == b.sharding
-            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored))
-        ),
-        'restored_step': int(data_state['step']),
-    }
+    out['restore_equal'] = bool(np.all(flags))
+    out['restored_sharding_equal'] = all(
+        a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored))
+    )
+    out['restored_step'] = int(data_state['step'])
 
-
-def _write(workdir: str, out: dict, mc, state, dstate, generated, sampled) -> None:
-    """results.json (process 0, via write_results) and, from process 0, arrays.npz: the
-    generated and sampled tokens and every target and draft parameter."""
-    from specjax.workdir import write_results
-
+    _progress('params = gather')
     params = to_host(state.params)
     draft_params = to_host(dstate.params)
     out['process_count'] = jax.process_count()
@@ -235,6 +185,8 @@ def _write(workdir: str, out: dict, mc, state, dstate, generated, sampled) -> No
         flat.update({'draft' + jax.tree_util.keystr(p): v for p, v in dflat})
         with (epath.Path(workdir) / 'arrays.npz').open('wb') as f:  # gs:// too
             np.savez(f, generated=generated, sampled=sampled, **flat)
+    barrier('selfcheck done')
+    return out
 
 
 def pair_evaluations(target_gd, target, draft_gd, draft, mesh, rules, draft_rules, bs, lm):
@@ -246,8 +198,8 @@ def pair_evaluations(target_gd, target, draft_gd, draft, mesh, rules, draft_rule
     import ml_collections
 
     from specjax.distill.evaluation import Evaluator
+    from specjax.evaluation import spec_eval_sampling
     from specjax.evaluation.prompts import Prompts
-    from specjax.evaluation.spec_eval_sampling import evaluate_sampling
     from specjax.models import merge
     from specjax.sampling import SamplingConfig
     from specjax.sampling import stats as st
@@ -265,7 +217,7 @@ def pair_evaluations(target_gd, target, draft_gd, draft, mesh, rules, draft_rule
     ev.prompt_len_edges, ev.gen_len_edges = (2,), (4,)
     cal = Calibration(B, PROMPT, 32, 1.0, 0.25, {K: 1.5})
     models = (merge(target_gd, target), merge(draft_gd, draft), target_gd, draft_gd)
-    runs, buckets, optimal = evaluate_sampling(
+    runs, buckets, optimal = spec_eval_sampling.evaluate_sampling(
         (*models, target, draft, None), prompts, SamplingConfig(1.0), (K,), cal, ev, seed=11,
         eos_id=None, mesh=mesh, rules=rules, draft_rules=draft_rules,
     )  # fmt: skip
