@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -51,6 +52,15 @@ def checkpoint_dir(workdir) -> str:
 
 
 def _all_finite(tree):
+    """Whether every float leaf is finite. Arrays spread over several processes are checked
+    shard by shard on the host (no cross-process program: each process checks its own shards)."""
+    if any(not getattr(x, 'is_fully_addressable', True) for x in jax.tree.leaves(tree)):
+        return all(
+            bool(np.isfinite(np.asarray(s.data)).all())
+            for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+            for s in x.addressable_shards
+        )
     leaves = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree.leaves(tree)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,15 @@ def _env(**extra):
         # XLA:CPU without LLVM's optimisation passes: these programs run for milliseconds, and
         # their compiles are most of this test's time (a quarter less, measured on the selfcheck).
         XLA_FLAGS='--xla_backend_optimization_level=0',
-        **extra,
     )
+    env.update(extra)
     return env
+
+
+def _single_process_cache() -> str:
+    """The one-process reference run's persistent cache ('' when the suite has none)."""
+    cache = jax.config.jax_compilation_cache_dir
+    return f'{cache}-single-process' if cache else ''
 
 
 def spec_eval_tokens():
@@ -47,8 +54,9 @@ def spec_eval_tokens():
     return (selfcheck.B + 3) * selfcheck.NEW
 
 
-def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
-    multi, single = tmp_path / 'multi', tmp_path / 'single'
+def _launch_two(tmp_path, multi):
+    """The two-process selfcheck via the launcher, alone on the machine, in its own process
+    group (killed whole on a hang, so no worker outlives the test): (returncode, output)."""
     launcher = subprocess.Popen(
         ['bash', str(REPO / 'launch/local_multiprocess.sh'), '2', '2', '--', f'--workdir={multi}'],
         env=_env(
@@ -56,31 +64,46 @@ def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
             SPECJAX_MODULE='specjax.preflight.selfcheck',
             SPECJAX_LOG_DIR=str(tmp_path / 'logs'),
             SPECJAX_MAX_RESTARTS='0',
+            # No persistent cache for the two processes: a program the one-process run cached
+            # must never be loaded here (same computation, other topology).
+            JAX_COMPILATION_CACHE_DIR='',
         ),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
+    try:
+        out, _ = launcher.communicate(timeout=420)
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return launcher.returncode, out
+
+
+def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
+    multi, single = tmp_path / 'multi', tmp_path / 'single'
+    # One after the other: run side by side on 2 cores, the gloo collectives of the two
+    # processes were seen to stall for minutes.
     ref = subprocess.run(
         [sys.executable, '-m', 'specjax.preflight.selfcheck', f'--workdir={single}'],
-        env=_env(JAX_NUM_CPU_DEVICES='4'),
+        env=_env(JAX_NUM_CPU_DEVICES='4', JAX_COMPILATION_CACHE_DIR=_single_process_cache()),
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    try:
-        launcher_out, _ = launcher.communicate(timeout=600)
-    finally:
-        launcher.kill()
+    returncode, launcher_out = _launch_two(tmp_path, multi)
     assert ref.returncode == 0, ref.stderr[-3000:]
     logs = '\n'.join(
         (tmp_path / 'logs' / f'proc_{i}.log').read_text()[-3000:]
         for i in range(2)
         if (tmp_path / 'logs' / f'proc_{i}.log').exists()
     )
-    assert launcher.returncode == 0, launcher_out[-2000:] + logs
+    assert returncode == 0, launcher_out[-2000:] + logs
 
     got = json.loads((multi / 'results.json').read_text())
     want = json.loads((single / 'results.json').read_text())
