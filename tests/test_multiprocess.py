@@ -1,7 +1,7 @@
 """Two local processes x 2 CPU devices (jax.distributed, gloo) agree with one process x 4 devices.
 
-launch/local_multiprocess.sh starts specjax.preflight.selfcheck on 2 processes while the same
-module runs alone on 4 simulated devices (both at once: the machine has few cores). Each run
+launch/local_multiprocess.sh starts specjax.preflight.selfcheck on 2 processes after the same
+module has run alone on 4 simulated devices (one after the other). Each run
 takes sharded LM train steps, a distill step on teacher-generated data from host-local prompts,
 a T = 1 speculative sampling call on host-local prompts (draft replicated by draft rules) and
 an orbax save + restore; process 0 alone writes results.json and the arrays. The two runs must
