@@ -232,7 +232,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     ev.samplings = p['samplings']  # (temperature, top_k, top_p[, its own ks])
     ev.prompt_len_edges = (32,) if size == 'full' else (16,)
     ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
-    ev.timing_repeats = 3 if size == 'full' else 2
+    ev.timing_repeats = 5 if size == 'full' else 3  # interleaved; the speedup's range
+    ev.timing_floor_s = 0.2 if size == 'full' else 0.05  # shortest timed region (repeats pass)
     ev.calibration_repeats = 5 if size == 'full' else 3
 
     c.serve = ml_collections.ConfigDict()  # latency and memory of what would be deployed
@@ -242,6 +243,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.k = 0  # draft length; 0 = spec_distilled's best measured k at T=0
     c.serve.repeats = 5 if size == 'full' else 3  # timed passes (median)
     c.serve.samples = 2  # prompts whose continuations the report shows side by side
+    c.serve.prompts = 8  # prompts served at every batch size (batch 1: one call each)
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)  # k grid of the accelerator model

@@ -196,6 +196,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.k = 2 if size == 'full' else 0
     c.serve.repeats = 2
     c.serve.samples = 2
+    c.serve.prompts = 4  # prompts served at every batch size (batch 1: one call each)
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)

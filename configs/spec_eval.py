@@ -87,7 +87,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.eval.acceptance_params = ml_collections.ConfigDict(
         dict(lenience=0.5, typical_threshold=0.09, typical_alpha=0.3)
     )  # lenient: eps in (0, 1]; typical: Medusa's threshold and alpha (lossy rules only)
-    c.eval.timing_repeats = 3  # timed passes per point, round-robin over points (median)
+    c.eval.timing_repeats = 5  # timed regions per point, round-robin over points (median)
+    c.eval.timing_floor_s = 0.2  # each timed region repeats its pass until it lasts this long
     c.eval.calibration_iters = 16  # cached calls per timed loop (calibrate)
     c.eval.calibration_repeats = 5  # timed repeats; medians of ratios
     if preset == 'random':

@@ -164,6 +164,29 @@ def test_report_numbers_equal_the_json(finished):
     assert spec['same_tokens_as_target'] == 1.0
 
 
+def test_report_opens_with_the_verdict_from_the_json(finished):
+    _, workdir, _, _ = finished
+    text = open(os.path.join(workdir, 'report.md')).read()
+    d = quickstart_report.load(workdir)
+    assert text.index('## Verdict') < text.index('## Target: distilled tau')
+    for stage, option in (('spec_ce', 'speculate'), ('spec_distilled', 'both')):
+        runs = [r for r in d[stage]['runs'] if r['method'] == 'speculative']
+        best = max(
+            (r for r in runs if r['sampling_label'] == 'T=0'), key=lambda r: r['measured_speedup']
+        )
+        lo, hi = best['speedup']['range']
+        assert lo <= best['measured_speedup'] <= hi
+        cell = _cell(text, f'| {option} ', 1, '## Verdict')
+        assert f'best k = {best["k"]}' in cell and f'{fmt(lo)}-{fmt(hi)}' in cell
+        assert best['intervals']['alpha'][0] <= best['alpha'] <= best['intervals']['alpha'][1]
+        assert len(best['per_row']['accepted']) == d[stage]['prompts']['count']
+    bigram, loss = d['target']['baselines']['bigram'], d['target']['eval']['loss']
+    assert ('does not beat the count-bigram' in text) == (bigram - loss < 0.3)
+    serve = d['serve']
+    assert serve['prompts']['calls_per_pass']['1'] == serve['prompts']['count'] > 1
+    assert quickstart_report.verdict_text(d).splitlines()[0].startswith('- speculate')
+
+
 def test_rerun_reuses_every_stage_without_retraining(finished):
     config, workdir, _, first_s = finished
     before = {

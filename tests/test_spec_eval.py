@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 
 import ml_collections
+import numpy as np
 import pytest
 from data_fixtures import prepare_toy, toy_data_config, toy_documents
 
 from specjax.config_files import join_spec, load_config
 from specjax.data import ByteTokenizer
-from specjax.evaluation import spec_eval
+from specjax.evaluation import serving, spec_eval
 from specjax.evaluation.pairs import check_identities
 from specjax.evaluation.prompts import make_prompts
 
@@ -161,3 +163,26 @@ def test_bad_acceptance_config_raises_before_compiling(toy_dir, rule, params, ma
     c.eval.acceptance_params.update(params)
     with pytest.raises(ValueError, match=match):
         spec_eval._check_eval(c.eval)
+
+
+def test_domains_short_of_documents_are_filled_with_windows(toy_dir):
+    # 3 validation documents per topic: 5 prompts per topic need windows of the long ones.
+    c = _tiny_config(toy_dir)
+    tok = ByteTokenizer()
+    p = make_prompts(c.data, tok, per_domain=5, min_len=4, max_len=12, seed=0)
+    assert sorted(collections.Counter(p.domains).values()) == [5, 5, 5]
+    docs = toy_documents('validation')
+    for row in range(len(p)):
+        full = [tok.bos_id] + tok.encode(docs[p.docs[row]][0])
+        n = p.lengths[row]
+        starts = [
+            o for o in range(0, len(full), 48) if full[o : o + n] == p.tokens[row, :n].tolist()
+        ]
+        assert starts, f'prompt {row} is no window of its document'
+
+
+def test_serving_takes_every_domain_round_robin():
+    domains = np.asarray(['code'] * 5 + ['prose'] * 2, dtype=object)
+    rows = serving.serve_rows(domains, 6)
+    assert rows.tolist() == [0, 5, 1, 6, 2, 3]
+    assert [c.tolist() for c in serving._chunks(rows, 4)] == [[0, 5, 1, 6], [2, 3, 2, 2]]

@@ -8,6 +8,7 @@ compile time is separate from run time and the executable's `memory_analysis()` 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import resource
 import time
@@ -17,6 +18,7 @@ import psutil
 
 from specjax.parallel.distributed import barrier
 from specjax.sampling import common
+from specjax.sampling.calibrate import interleaved_times
 
 
 @dataclasses.dataclass
@@ -98,3 +100,25 @@ def environment() -> dict:
         'xla_flags': os.environ.get('XLA_FLAGS', ''),
         'cpu_count': os.cpu_count(),
     }
+
+
+def floored_times(calls: dict, repeats: int, floor_s: float) -> tuple[dict, dict]:
+    """Interleaved timings whose timed regions last at least `floor_s` seconds.
+
+    Each call is timed once (untimed probe) and then repeated `passes` = ceil(floor_s / probe)
+    times inside every timed region, so regions of a few milliseconds do not decide a ranking.
+    Returns (name -> list of `repeats` seconds per single call, name -> passes).
+    """
+    passes = {}
+    for name, fn in calls.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        probe = time.perf_counter() - t0
+        passes[name] = max(1, math.ceil(floor_s / probe)) if probe > 0 and floor_s > 0 else 1
+
+    def repeated(fn, n):
+        return lambda: [fn() for _ in range(n)]
+
+    wrapped = {name: repeated(fn, passes[name]) for name, fn in calls.items()}
+    times = interleaved_times(wrapped, repeats=repeats, warmup=0)
+    return {name: [t / passes[name] for t in ts] for name, ts in times.items()}, passes

@@ -9,6 +9,8 @@ import numpy as np
 from specjax.data import open_dataset
 from specjax.data.pipeline import document_source
 
+_MAX_WINDOWS = 8  # windows per document after its prefix, for domains short of documents
+
 
 @dataclasses.dataclass
 class Prompts:
@@ -41,11 +43,14 @@ def make_prompts(
     seed: int,
     split: str | None = None,
 ) -> Prompts:
-    """Up to `per_domain` documents per domain (seeded order), each cut to its first L tokens.
+    """Up to `per_domain` prompts per domain: documents in seeded order, each cut to its first
+    L tokens (starting with the tokenizer's bos, as training documents do).
 
-    L ~ uniform[min_len, max_len] per document, capped so the prompt is a strict prefix (the
+    L ~ uniform[min_len, max_len] per prompt, capped so the prompt is a strict prefix (the
     document's eos never is in it); documents with fewer than min_len + 1 tokens are skipped.
-    Prompts start with the tokenizer's bos, as training documents do. Width is max_len.
+    Where a domain has fewer than `per_domain` such documents, further prompts are windows of
+    its documents at offsets 4 * max_len, 8 * max_len, ... (up to _MAX_WINDOWS per document;
+    they start mid-document, as training chunks after a document's first do). Width is max_len.
     """
     if not 1 <= min_len <= max_len:
         raise ValueError(
@@ -57,17 +62,24 @@ def make_prompts(
     names = open_dataset(data_config).domain_names
     source = document_source(data_config, tok, split)
     rng = np.random.default_rng(seed)
+    order = rng.permutation(len(source))
     chosen = {d: [] for d in range(len(names))}
-    for i in rng.permutation(len(source)):
-        doc = source[int(i)]
-        domain = int(doc['domain'])
-        if len(chosen.setdefault(domain, [])) >= per_domain:
-            continue
-        tokens = np.asarray(doc['tokens'])
-        length = min(int(rng.integers(min_len, max_len + 1)), len(tokens) - 1)
-        if length < min_len:
-            continue
-        chosen[domain].append((tokens[:length], int(i)))
+    # Pass 0: each document's prefix; pass j >= 1: the window at offset j * stride, for domains
+    # that still lack prompts (a split with few documents of a domain).
+    stride = 4 * max_len
+    for window in range(1 + _MAX_WINDOWS):
+        for i in order:
+            doc = source[int(i)]
+            domain = int(doc['domain'])
+            if len(chosen.setdefault(domain, [])) >= per_domain:
+                continue
+            tokens = np.asarray(doc['tokens'])[window * stride :]
+            length = min(int(rng.integers(min_len, max_len + 1)), len(tokens) - 1)
+            if length < min_len:
+                continue
+            chosen[domain].append((tokens[:length], int(i)))
+            if all(len(v) >= per_domain for v in chosen.values()):
+                break
         if all(len(v) >= per_domain for v in chosen.values()):
             break
     picked = [(d, t, i) for d in sorted(chosen) for t, i in chosen[d]]

@@ -3,8 +3,10 @@
 For batch sizes config.batch_sizes and one sampling (greedy by default), times four ways of
 serving on the same prompts: the target alone, the distilled draft alone (distillation as
 replacement), and the target with each draft speculatively (CE draft, distilled draft) at one k.
-Every sampler is compiled ahead of time for max_new_tokens N and for 1; all are timed
-round-robin (load drift on a shared machine hits them alike). Per (method, batch):
+Every batch size serves the same config.prompts prompts (round-robin over domains) in calls of
+b rows (at batch 1: one call per prompt). Every sampler is compiled ahead of time for
+max_new_tokens N and for 1; all are timed round-robin (load drift on a shared machine hits them
+alike), and times are per call. Per (method, batch):
   ttft_s   time to first token = median time of the 1-token call (prefill + one token)
   tpot_s   time per output token after the first = (t_N - t_1) / (N - 1), medians
   tokens_per_s = batch * N / t_N; memory = XLA's estimate for the N-token executable
@@ -25,7 +27,7 @@ import numpy as np
 from specjax import jsonio
 from specjax.checkpoint import load_model
 from specjax.data import build_tokenizer
-from specjax.evaluation import measure
+from specjax.evaluation import intervals, measure
 from specjax.evaluation.pairs import draft_vocab_ids
 from specjax.evaluation.prompts import make_prompts
 from specjax.models import split
@@ -101,20 +103,33 @@ def run(config, workdir: str, root: str) -> dict:
     common = dict(sampling=sampling, eos_id=None, mesh=mesh, rules=rules)
     sampler = _sampler_factory(split_models, vocab, k, common)
     inputs_for = lambda method, tokens: alone_inputs(vocab.get(method), target_vocab, tokens)
-    calls, compiled, outputs = _compile_all(
-        sampler, inputs_for, prompts, batch_sizes, n, jax.random.key(config.seed)
+    calls, compiled, outputs, per_pass, rows = _compile_all(
+        sampler,
+        inputs_for,
+        prompts,
+        batch_sizes,
+        n,
+        jax.random.key(config.seed),
+        int(config.get('prompts', 8)),
     )
-    times = {
-        key: float(np.median(t)) for key, t in interleaved_times(calls, int(config.repeats)).items()
-    }
+    repeats = interleaved_times(calls, int(config.repeats))
+    times = {key: float(np.median(t)) / per_pass[key[1]] for key, t in repeats.items()}
+    timing = {key: intervals.timing_summary(t) for key, t in repeats.items()}
     result = {
         'k': k,
         'max_new_tokens': n,
         'sampling': sampling.to_dict(),
         'param_bytes': {name: _param_bytes(p) for name, (_, p) in split_models.items()},
         'num_params': {name: m.config.num_params for name, m in models.items()},
-        'rows': _rows(batch_sizes, n, k, times, compiled, outputs, vocab),
-        'samples': _samples(config, tok, prompts, outputs, vocab, max(batch_sizes)),
+        'prompts': {
+            'count': len(rows),
+            'per_domain': {
+                str(d): int((prompts.domains[rows] == d).sum()) for d in set(prompts.domains[rows])
+            },
+            'calls_per_pass': {str(b): per_pass[b] for b in batch_sizes},
+        },
+        'rows': _rows(batch_sizes, n, k, times, timing, compiled, outputs, vocab),
+        'samples': _samples(config, tok, prompts, rows, outputs, vocab, max(batch_sizes)),
         'environment': measure.environment(),
         'process_memory': measure.process_memory(),
     }
@@ -144,41 +159,68 @@ def _sampler_factory(split_models: dict, vocab: dict, k: int, common: dict):
     return sampler
 
 
-def _compile_all(sampler, inputs_for, prompts, batch_sizes, n: int, rng):
+def serve_rows(domains, count: int) -> np.ndarray:
+    """The first `count` prompt rows taken round-robin over domains (prompts come sorted by
+    domain), so every batch size serves a mix of domains."""
+    by_domain = [np.flatnonzero(domains == d) for d in dict.fromkeys(domains)]
+    order = [int(r[i]) for i in range(max(map(len, by_domain))) for r in by_domain if i < len(r)]
+    return np.asarray(order[:count], np.int64)
+
+
+def _chunks(rows: np.ndarray, b: int) -> list[np.ndarray]:
+    """rows in consecutive batches of b, the last padded by repeating its first row."""
+    out = []
+    for a in range(0, len(rows), b):
+        part = rows[a : a + b]
+        out.append(np.concatenate([part, np.full(b - len(part), part[0])]))
+    return out
+
+
+def _compile_all(sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: int):
     """Every (method, batch, max_new) compiled ahead of time and decoded once.
 
-    Returns (calls, compiled, outputs): calls[(method, batch, max_new)] runs it again (only the
-    METHODS: draft_ce alone is decoded for its samples, not timed); outputs[(method, batch)]
-    holds the N-token decode on host.
+    Each batch size serves the same `count` prompts (serve_rows) in batches of b: at batch 1,
+    `count` calls of one row. Returns (calls, compiled, outputs, calls_per_pass):
+    calls[(method, batch, max_new)] decodes all of them again (only the METHODS: draft_ce alone
+    is decoded for its samples, not timed); outputs[(method, batch)] holds the N-token decode on
+    host, (tokens [count, N], lengths [count]) in serve_rows order.
     """
-    calls, compiled, outputs = {}, {}, {}
+    calls, compiled, outputs, per_pass = {}, {}, {}, {}
+    rows = serve_rows(prompts.domains, max(count, max(batch_sizes)))
     for b in batch_sizes:
-        idx = np.arange(b) % len(prompts)
-        tokens, lengths = prompts.tokens[idx], prompts.lengths[idx]
+        chunks = _chunks(rows, b)
+        per_pass[b] = len(chunks)
+        inputs = [(prompts.tokens[idx], prompts.lengths[idx]) for idx in chunks]
         for method in METHODS + (('draft_ce',) if b == max(batch_sizes) else ()):
             for max_new in (n, 1) if method in METHODS else (n,):
                 fn, params = sampler(method, max_new)
-                toks = inputs_for(method, tokens)
-                c = measure.compile_sampler(fn, params, toks, lengths, rng)
+                toks = [(inputs_for(method, t), ln) for t, ln in inputs]
+                c = measure.compile_sampler(fn, params, *toks[0], rng)
                 key = (method, b, max_new)
                 compiled[key] = c
-                calls[key] = lambda c=c, params=params, t=toks, ln=lengths: c(*params, t, ln, rng)
+                calls[key] = lambda c=c, params=params, toks=toks: [
+                    c(*params, t, ln, rng) for t, ln in toks
+                ]
                 if max_new == n:
-                    outputs[method, b] = jax.device_get(jax.block_until_ready(calls[key]()))
+                    outs = jax.device_get(jax.block_until_ready(calls[key]()))
+                    outputs[method, b] = (
+                        np.concatenate([np.asarray(o.tokens) for o in outs])[: len(rows)],
+                        np.concatenate([np.asarray(o.lengths) for o in outs])[: len(rows)],
+                    )
                 if method not in METHODS:
                     del calls[key]  # samples only: not timed
-    return calls, compiled, outputs
+    return calls, compiled, outputs, per_pass, rows
 
 
-def _rows(batch_sizes, n: int, k: int, times: dict, compiled: dict, outputs: dict, vocab) -> list:
-    """One row per (batch, method): TTFT, TPOT, tokens/s, memory, agreement with the target."""
+def _rows(batch_sizes, n: int, k: int, times, timing, compiled, outputs, vocab) -> list:
+    """One row per (batch, method): TTFT, TPOT, tokens/s, memory, agreement with the target
+    (times: seconds per call, the median over repeats; timing: the N-token pass's repeats)."""
     rows = []
     for b in batch_sizes:
         for method in METHODS:
             t_n, t_1 = times[method, b, n], times[method, b, 1]
-            out = outputs[method, b]
-            target_ids = np.asarray(outputs['target', b].tokens)
-            same = alone_tokens(vocab.get(method), out.tokens) == target_ids
+            tokens, _ = outputs[method, b]
+            same = alone_tokens(vocab.get(method), tokens) == outputs['target', b][0]
             rows.append(
                 dict(
                     method=method,
@@ -192,24 +234,25 @@ def _rows(batch_sizes, n: int, k: int, times: dict, compiled: dict, outputs: dic
                     compile_s=compiled[method, b, n].compile_s,
                     memory=compiled[method, b, n].memory(),
                     same_tokens_as_target=float(same.mean()),
+                    timing=timing[method, b, n],
                 )
             )
     return rows
 
 
-def _samples(config, tok, prompts, outputs: dict, vocab, b: int) -> list:
-    """The first config.samples prompts and each SAMPLED method's continuation at batch b
-    (the largest), decoded."""
-    shown = min(int(config.samples), len(prompts), b)  # rows of the largest batch
+def _samples(config, tok, prompts, rows, outputs: dict, vocab, b: int) -> list:
+    """The first config.samples served prompts and each SAMPLED method's continuation at batch
+    b (the largest), decoded."""
     samples = []
-    for i in range(shown):
+    for i in range(min(int(config.samples), len(rows))):
+        row = rows[i]
         entry = {
-            'domain': str(prompts.domains[i % len(prompts)]),
-            'prompt': tok.decode(prompts.tokens[i, : prompts.lengths[i]].tolist()),
+            'domain': str(prompts.domains[row]),
+            'prompt': tok.decode(prompts.tokens[row, : prompts.lengths[row]].tolist()),
         }
         for method in SAMPLED:
-            out = outputs[method, b]
-            row = alone_tokens(vocab.get(method), out.tokens)[i, : out.lengths[i]]
-            entry[method] = tok.decode(row.tolist())
+            tokens, lengths = outputs[method, b]
+            ids = alone_tokens(vocab.get(method), tokens)[i, : lengths[i]]
+            entry[method] = tok.decode(ids.tolist())
         samples.append(entry)
     return samples

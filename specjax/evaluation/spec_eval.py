@@ -26,7 +26,7 @@ import time
 from specjax import jsonio
 from specjax import workdir as workdir_lib
 from specjax.data import build_tokenizer
-from specjax.evaluation import measure
+from specjax.evaluation import intervals, measure
 from specjax.evaluation.pairs import draft_vocab_ids, load_models
 from specjax.evaluation.prompts import make_prompts
 from specjax.evaluation.spec_eval_sampling import BUCKET_KEYS, acceptance, evaluate_sampling
@@ -176,6 +176,7 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
         'runs': runs,
         'buckets': buckets,
         'optimal_k': optimal,
+        'flags': intervals.flags(cal.to_dict(), runs),
         'environment': measure.environment(),
         'memory': measure.process_memory(),
         'wall_s': time.perf_counter() - started,

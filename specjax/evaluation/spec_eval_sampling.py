@@ -14,7 +14,7 @@ import logging
 import jax
 import numpy as np
 
-from specjax.evaluation import measure
+from specjax.evaluation import intervals, measure
 from specjax.evaluation.prompts import Prompts
 from specjax.evaluation.tables import sampling_label
 from specjax.parallel import to_host
@@ -27,6 +27,17 @@ from specjax.sampling import (
 )
 from specjax.sampling import stats as st
 
+# per-row count columns each speculative run keeps (prompt order), for paired intervals
+PER_ROW = (
+    'accepted',
+    'examined',
+    'emitted',
+    'rounds',
+    'alpha_sum',
+    'alpha_count',
+    'accepted_per_position',
+    'examined_per_position',
+)
 BUCKET_KEYS = {
     'domain': ('domain',),
     'prompt_len': ('prompt_len',),
@@ -69,14 +80,14 @@ def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed
     return run_all, outputs, record
 
 
-def _time_points(run_alls: dict, records: dict, repeats: int) -> dict:
-    """Times every point's full pass round-robin `repeats` times; fills wall/per-token fields.
+def _time_points(run_alls: dict, records: dict, repeats: int, floor_s: float) -> dict:
+    """Times every point's full pass round-robin `repeats` times, each timed region repeating
+    the pass until it lasts `floor_s` (measure.floored_times); fills wall/per-token fields and
+    the point's timing summary (intervals.timing_summary).
 
     Returns name -> array [repeats] of seconds per generated token.
     """
-    from specjax.sampling.calibrate import interleaved_times
-
-    times = interleaved_times(run_alls, repeats=repeats, warmup=0)
+    times, passes = measure.floored_times(run_alls, repeats, floor_s)
     per_token = {}
     for name, t in times.items():
         rec = records[name]
@@ -88,6 +99,7 @@ def _time_points(run_alls: dict, records: dict, repeats: int) -> dict:
             wall_s_repeats=t.tolist(),
             time_per_token_s=float(np.median(per_token[name])),
             tokens_per_s=rec['generated_tokens'] / wall if wall > 0 else float('nan'),
+            timing=dict(intervals.timing_summary(t), passes=passes[name], floor_s=floor_s),
         )
     return per_token
 
@@ -163,20 +175,34 @@ def evaluate_sampling(
         run_alls[k], outputs[k], records[k] = _compile_and_run(
             fn, [t_params, d_params], prompts, batch, seed
         )
-    per_token = _time_points(run_alls, records, int(ev.timing_repeats))
+    floor_s = float(ev.get('timing_floor_s', 0.0))
+    per_token = _time_points(run_alls, records, int(ev.timing_repeats), floor_s)
 
     alpha_cols = _alpha_columns(
         target, draft, prompts, outputs['ar'], sampling, batch, common.get('draft_vocab_ids')
     )
     alpha = st.safe_ratio(alpha_cols[0].sum(), alpha_cols[1].sum())
     tags = dict(sampling=sampling.to_dict(), sampling_label=label, acceptance=acceptance(ev).label)
-    runs = [dict(records['ar'], method='autoregressive', k=None, alpha=alpha, **tags)]
+    ar_cols = dict(alpha_sum=alpha_cols[0], alpha_count=alpha_cols[1])
+    runs = [
+        dict(
+            records['ar'],
+            method='autoregressive',
+            k=None,
+            alpha=alpha,
+            alpha_interval=intervals.ratio_interval(ar_cols, 'alpha', seed=seed),
+            per_row={name: col.tolist() for name, col in ar_cols.items()},
+            **tags,
+        )
+    ]
     buckets = {name: [] for name in BUCKET_KEYS}
     logging.info('%s autoregressive: %.3f ms/token', label, 1e3 * records['ar']['time_per_token_s'])
     for k in ks:
         table = _spec_table(prompts, outputs[k], alpha_cols, ev)
-        measured = float(np.median(per_token['ar'] / per_token[k]))
-        runs.append(_spec_run(records[k], table, k, cal, measured, outputs[k], batch, tags))
+        speedup = intervals.ratio_summary(per_token['ar'], per_token[k])
+        runs.append(_spec_run(records[k], table, k, cal, speedup, outputs[k], batch, tags))
+        runs[-1]['intervals'] = intervals.table_intervals(table, seed=seed)
+        runs[-1]['per_row'] = {name: np.asarray(table[name]).tolist() for name in PER_ROW}
         for name, keys in BUCKET_KEYS.items():
             for key, b in st.bucket_stats(table, keys).items():
                 buckets[name].append(dict(zip(keys, key), sampling_label=label, k=k, **b))
@@ -186,15 +212,17 @@ def evaluate_sampling(
             k,
             runs[-1]['acceptance_rate'],
             runs[-1]['block_efficiency'],
-            measured,
+            speedup['value'],
             runs[-1]['predicted_speedup'],
         )
     return runs, buckets, _optimal(alpha, cal, runs[1:])
 
 
-def _spec_run(record, table, k, cal, measured, outputs, batch, tags) -> dict:
+def _spec_run(record, table, k, cal, speedup, outputs, batch, tags) -> dict:
     """One speculative point's run: its record, the row table's summary at k (pair_eval.point),
-    the measured speedup and the predicted speedups from tau and from the batch's tau."""
+    the measured speedup (intervals.ratio_summary: median, range over repeats, verdict) and the
+    predicted speedups from tau and from the batch's tau."""
+    measured = speedup['value']
     summary = pair_eval.point(table, k, cal)
     # A batch runs until its slowest row is done (padding rows included: they cost time).
     tau_batch = st.safe_ratio(
@@ -209,6 +237,7 @@ def _spec_run(record, table, k, cal, measured, outputs, batch, tags) -> dict:
         method='speculative',
         k=k,
         measured_speedup=measured,
+        speedup=speedup,
         speedup_ratio=measured / summary['predicted_speedup'],
         batch_block_efficiency=tau_batch,
         predicted_speedup_batch=predicted_batch,

@@ -26,8 +26,10 @@ from specjax.quickstart.report_speculative import (
     section_speculative,
     section_targets,
 )
+from specjax.quickstart.report_verdict import section_verdict, verdict_text
 
-__all__ = ['break_even', 'load', 'ref_k', 'render', 'run_at', 'write']  # tests read these here
+# tests read these here
+__all__ = ['break_even', 'load', 'ref_k', 'render', 'run_at', 'verdict_text', 'write']
 
 
 def render(d: dict, plots: list[str]) -> str:
@@ -38,6 +40,7 @@ def render(d: dict, plots: list[str]) -> str:
         'wrote under this workdir; no number in it is typed by hand.',
         '',
     ]
+    lines += section_verdict(d)
     lines += section_targets(d)
     lines += section_break_even_alpha(d)
     lines += section_reduced_vocab(d)

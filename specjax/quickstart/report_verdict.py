@@ -1,0 +1,152 @@
+"""The quickstart report's answer, first: speculate, distill, or both, on the measured hardware.
+
+`section_verdict(d)` opens the report (and `verdict_text` is what the command prints when it
+finishes): one row per option with its latency against the target alone (serve stage, batch 1,
+greedy, median over interleaved repeats and the range of the per-repeat ratios where spec_eval
+measured it), output quality against the target, training cost in CPU seconds, and a sentence
+on where it pays. Then whether the target beats the count-bigram baseline, and every flag the
+spec_eval stages raised (specjax.evaluation.intervals.flags). Numbers only from the stages'
+JSON (specjax.quickstart.report_data).
+"""
+
+from __future__ import annotations
+
+from specjax.evaluation.tables import fmt, markdown_table
+from specjax.quickstart.report_data import pairs, serve_row
+
+BIGRAM_MARGIN = 0.3  # nats: the target "beats the bigram" by at least this much
+
+
+def _best(spec: dict, label: str) -> dict:
+    runs = [
+        r for r in spec['runs'] if r['method'] == 'speculative' and r['sampling_label'] == label
+    ]
+    return max(runs, key=lambda r: r['measured_speedup'])
+
+
+def _speedup_words(r: dict) -> str:
+    s = r.get('speedup') or {}
+    lo, hi = s.get('range', [None, None])
+    value = r['measured_speedup']
+    verdict = s.get('verdict', 'unresolved')
+    rng = f' (range over repeats {fmt(lo)}-{fmt(hi)})' if lo is not None else ''
+    if verdict == 'faster':
+        return f'{fmt(value)}x the target alone, faster{rng}'
+    if verdict == 'slower':
+        return f'{fmt(1 / value)}x slower than the target alone{rng}'
+    return f'{fmt(value)}x, not resolved from 1{rng}'
+
+
+def _cpu_s(d: dict, stage: str):
+    return d['run'].get('stage_cpu_seconds', {}).get(stage)
+
+
+def verdict_rows(d: dict) -> list[list]:
+    """[option, latency vs target, output quality, training CPU s, where it pays]."""
+    rows = []
+    label = 'T=0'
+    target_loss = d['target']['eval']['loss']
+    bigram = d['target'].get('baselines', {}).get('bigram')
+    if 'spec_ce' in d:
+        r = _best(d['spec_ce'], label)
+        rows.append(
+            [
+                'speculate (target + cross-entropy draft)',
+                f'best k = {r["k"]} (spec_eval, batch {d["spec_ce"]["prompts"]["batch_size"]}): '
+                f'{_speedup_words(r)}',
+                "exactly the target's (greedy: every token equal)",
+                _cpu_s(d, 'draft_ce'),
+                _pays(r),
+            ]
+        )
+    student = d['draft_distilled']
+    tpot_t = serve_row(d['serve'], 'target', 1)['tpot_s']
+    alone = serve_row(d['serve'], 'draft_distilled', 1)
+    rows.append(
+        [
+            'distill (the distilled draft served alone)',
+            f"{fmt(tpot_t / alone['tpot_s'])}x the target's speed per token (batch 1, serve)",
+            f"held-out loss {fmt(student.get('draft_val_loss'))} nats vs the target's "
+            f"{fmt(target_loss)} and the bigram's {fmt(bigram)}; free-running greedy tokens "
+            f"equal to the target's: {fmt(alone['same_tokens_as_target'])}; "
+            f'mean TV {fmt(1 - (student.get("alpha_T1") or float("nan")))}',
+            _cpu_s(d, 'draft_distilled'),
+            'always faster, never the same output: pays only where its quality loss is acceptable',
+        ]
+    )
+    if 'spec_distilled' in d:
+        r = _best(d['spec_distilled'], label)
+        rows.append(
+            [
+                'both (target + distilled draft)',
+                f'best k = {r["k"]} (spec_eval, batch '
+                f'{d["spec_distilled"]["prompts"]["batch_size"]}): {_speedup_words(r)}',
+                "exactly the target's",
+                _cpu_s(d, 'draft_distilled'),
+                _pays(r),
+            ]
+        )
+    return rows
+
+
+def _pays(r: dict) -> str:
+    verdict = (r.get('speedup') or {}).get('verdict')
+    here = {
+        'faster': 'pays on this machine',
+        'slower': 'does not pay on this machine',
+    }.get(verdict, 'not resolved on this machine')
+    return f'{here} (tau {fmt(r["block_efficiency"])} at k = {r["k"]}); see the accelerator model'
+
+
+def section_verdict(d: dict) -> list[str]:
+    backend = d['target'].get('environment', {}).get('backend') or d['serve']['environment'].get(
+        'backend', 'cpu'
+    )
+    out = [
+        f'## Verdict (greedy, on this {backend.upper()})',
+        '',
+        markdown_table(
+            ['option', 'latency against the target', 'output quality', 'training CPU s', 'pays?'],
+            verdict_rows(d),
+        ),
+        '',
+    ]
+    out += target_vs_bigram(d) + [''] + flags_section(d)
+    return out
+
+
+def target_vs_bigram(d: dict) -> list[str]:
+    loss = d['target']['eval']['loss']
+    bigram = d['target'].get('baselines', {}).get('bigram')
+    if bigram is None:
+        return []
+    margin = bigram - loss
+    if margin >= BIGRAM_MARGIN:
+        return [
+            f'The target is a language model: held-out loss {fmt(loss)} nats, '
+            f'{fmt(margin)} nats below the count-bigram baseline ({fmt(bigram)}).'
+        ]
+    return [
+        f'**The target does not beat the count-bigram baseline**: held-out loss {fmt(loss)} '
+        f"nats against the bigram's {fmt(bigram)} (needs {BIGRAM_MARGIN} nats below it). "
+        'Acceptance figures below measure drafts against this weak target; read them as a '
+        'property of the method on this budget, not of a real language model '
+        '(docs/quickstart.md: what it takes).'
+    ]
+
+
+def flags_section(d: dict) -> list[str]:
+    items = []
+    for stage, (name, _) in pairs(d).items():
+        items += [f'- {name}: {f}' for f in d[stage].get('flags', [])]
+    if not items:
+        return []
+    return ['### Flags: figures not to take at face value', ''] + items + ['']
+
+
+def verdict_text(d: dict) -> str:
+    """The verdict table as plain text lines, for the console."""
+    lines = []
+    for option, latency, quality, cpu, pays in verdict_rows(d):
+        lines.append(f'- {option}: {latency}; output {quality}; training {fmt(cpu)} CPU s; {pays}')
+    return '\n'.join(lines + target_vs_bigram(d))
