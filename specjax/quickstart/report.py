@@ -58,9 +58,10 @@ def render(d: dict, plots: list[str]) -> str:
     return '\n'.join(lines)
 
 
-def write(root: str, accelerator_ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> str:
-    """Writes <root>/report.md and <root>/plots/*.png; returns the report's path."""
-    d = load(root)
+def write(root: str, accelerator_ks=(1, 2, 3, 4, 5, 6, 7, 8), d: dict | None = None) -> str:
+    """Writes <root>/report.md and <root>/plots/*.png from `d` (default: load(root)); returns
+    the report's path."""
+    d = load(root) if d is None else d
     d['config_ks'] = tuple(int(k) for k in accelerator_ks)
     plots = quickstart_plots.write_all(d, os.path.join(root, 'plots'))
     path = os.path.join(root, 'report.md')

@@ -41,50 +41,50 @@ def _cpu_s(d: dict, stage: str):
     return d['run'].get('stage_cpu_seconds', {}).get(stage)
 
 
+def _spec_row(d: dict, stage: str, option: str, train_stage: str, label: str = 'T=0') -> list:
+    """The verdict row of a speculative pair: its best measured k at `label` in spec_eval."""
+    r = _best(d[stage], label)
+    return [
+        option,
+        f'best k = {r["k"]} (spec_eval, batch {d[stage]["prompts"]["batch_size"]}): '
+        f'{_speedup_words(r)}',
+        "exactly the target's (greedy: every token equal)",
+        _cpu_s(d, train_stage),
+        _pays(r),
+    ]
+
+
+def _student_row(d: dict) -> list:
+    """The verdict row of the distilled draft served alone (serve stage, batch 1)."""
+    student = d['draft_distilled']
+    bigram = d['target'].get('baselines', {}).get('bigram')
+    speed = (
+        serve_row(d['serve'], 'target', 1)['tpot_s']
+        / serve_row(d['serve'], 'draft_distilled', 1)['tpot_s']
+    )
+    alone = serve_row(d['serve'], 'draft_distilled', 1)
+    faster = 'faster' if speed > 1 else 'not faster'
+    return [
+        'distill (the distilled draft served alone)',
+        f"{fmt(speed)}x the target's speed per token (batch 1, serve)",
+        f"held-out loss {fmt(student.get('draft_val_loss'))} nats vs the target's "
+        f"{fmt(d['target']['eval']['loss'])} and the bigram's {fmt(bigram)}; free-running "
+        f"greedy tokens equal to the target's: {fmt(alone['same_tokens_as_target'])}; "
+        f'mean TV {fmt(1 - (student.get("alpha_T1") or float("nan")))}',
+        _cpu_s(d, 'draft_distilled'),
+        f'{faster}, not the same output: pays only where its quality loss is acceptable',
+    ]
+
+
 def verdict_rows(d: dict) -> list[list]:
     """[option, latency vs target, output quality, training CPU s, where it pays]."""
     rows = []
-    label = 'T=0'
-    target_loss = d['target']['eval']['loss']
-    bigram = d['target'].get('baselines', {}).get('bigram')
     if 'spec_ce' in d:
-        r = _best(d['spec_ce'], label)
-        rows.append(
-            [
-                'speculate (target + cross-entropy draft)',
-                f'best k = {r["k"]} (spec_eval, batch {d["spec_ce"]["prompts"]["batch_size"]}): '
-                f'{_speedup_words(r)}',
-                "exactly the target's (greedy: every token equal)",
-                _cpu_s(d, 'draft_ce'),
-                _pays(r),
-            ]
-        )
-    student = d['draft_distilled']
-    tpot_t = serve_row(d['serve'], 'target', 1)['tpot_s']
-    alone = serve_row(d['serve'], 'draft_distilled', 1)
-    rows.append(
-        [
-            'distill (the distilled draft served alone)',
-            f"{fmt(tpot_t / alone['tpot_s'])}x the target's speed per token (batch 1, serve)",
-            f"held-out loss {fmt(student.get('draft_val_loss'))} nats vs the target's "
-            f"{fmt(target_loss)} and the bigram's {fmt(bigram)}; free-running greedy tokens "
-            f"equal to the target's: {fmt(alone['same_tokens_as_target'])}; "
-            f'mean TV {fmt(1 - (student.get("alpha_T1") or float("nan")))}',
-            _cpu_s(d, 'draft_distilled'),
-            'always faster, never the same output: pays only where its quality loss is acceptable',
-        ]
-    )
+        rows.append(_spec_row(d, 'spec_ce', 'speculate (target + cross-entropy draft)', 'draft_ce'))
+    rows.append(_student_row(d))
     if 'spec_distilled' in d:
-        r = _best(d['spec_distilled'], label)
         rows.append(
-            [
-                'both (target + distilled draft)',
-                f'best k = {r["k"]} (spec_eval, batch '
-                f'{d["spec_distilled"]["prompts"]["batch_size"]}): {_speedup_words(r)}',
-                "exactly the target's",
-                _cpu_s(d, 'draft_distilled'),
-                _pays(r),
-            ]
+            _spec_row(d, 'spec_distilled', 'both (target + distilled draft)', 'draft_distilled')
         )
     return rows
 
@@ -99,9 +99,7 @@ def _pays(r: dict) -> str:
 
 
 def section_verdict(d: dict) -> list[str]:
-    backend = d['target'].get('environment', {}).get('backend') or d['serve']['environment'].get(
-        'backend', 'cpu'
-    )
+    backend = d['serve']['environment'].get('backend', 'cpu')
     out = [
         f'## Verdict (greedy, on this {backend.upper()})',
         '',
