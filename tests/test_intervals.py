@@ -1,8 +1,13 @@
-"""Bootstrap intervals, timing summaries and flags of specjax.evaluation.intervals."""
+"""Bootstrap intervals, timing summaries and flags of specjax.evaluation.intervals; the report's
+cell formats and its accelerator model."""
 
 import numpy as np
+import pytest
 
 from specjax.evaluation import intervals
+from specjax.evaluation.tables import fmt, fmt_interval, human_label
+from specjax.quickstart import report_data
+from specjax.sampling import stats as st
 
 
 def _table(accepted, examined):
@@ -71,6 +76,44 @@ def test_flags_a_falling_v_a_missed_prediction_and_noisy_timings():
     ]
     out = intervals.flags(cal, runs)
     assert sum('v(k) falls' in f for f in out) == 2
-    assert any('k = 1: measured speedup' in f for f in out)
-    assert any('T=0 AR: timing repeats spread' in f for f in out)
+    assert any('predicted at 1 of 1 points (T = 0 (greedy) k = 1)' in f for f in out)
+    assert any('at 1 points (T = 0 (greedy) AR 2.7x)' in f for f in out)
     assert intervals.flags({'v': {'1': 1.0, '2': 1.2}}, runs[1:2][:0]) == []
+
+
+def test_report_cells_read_as_words_and_numbers():
+    assert human_label('T=0') == 'T = 0 (greedy)'
+    assert human_label('T=1,top_k=0,top_p=1') == 'T = 1'
+    assert human_label('T=0.7,top_k=40,top_p=0.9') == 'T = 0.7, top-k 40, top-p 0.9'
+    assert human_label('bucket <8') == 'bucket <8'  # not a sampling label: unchanged
+    assert [fmt(x) for x in (3000.0, 999.9, 0.000123, 1.5)] == ['3000', '1000', '0.000123', '1.5']
+    assert fmt_interval(0.41234, [0.35, 0.47]) == '0.412 [0.35, 0.47]'
+    assert fmt_interval(0.5, None) == '0.5'
+
+
+def test_accelerator_model_ranges_c_and_v_and_predicts_only_measured_k_with_measured_v():
+    spec = {
+        'models': {
+            'target': {'num_params': 1000, 'n_layers': 4},
+            'draft': {'num_params': 250, 'n_layers': 2},
+        },
+        'calibration': {'c': 0.6, 'v': {'1': 1.5, '2': 1.8}},
+        'optimal_k': {'T=0': {'alpha': 0.7}},
+        'runs': [{'method': 'speculative', 'sampling_label': 'T=0', 'k': k} for k in (1, 2)],
+    }
+    m = report_data.accelerator_model(spec, 'T=0', ks=(1, 2, 3, 4))
+    assert report_data.cost_ratios(spec) == {
+        'parameter ratio': 0.25,
+        'layer ratio': 0.5,
+        'measured': 0.6,
+    }
+    assert len(m['scenarios']) == 6
+    for s in m['scenarios']:
+        v = 1.0 if s['v_source'] == 'v = 1' else spec['calibration']['v'][str(s['k'])]
+        expected = st.expected_block_efficiency(0.7, s['k']) / (s['k'] * s['c'] + v)
+        assert s['speedup'] == pytest.approx(expected)
+        if s['v_source'] == 'v measured':
+            assert s['k'] in (1, 2)
+    best = max(m['scenarios'], key=lambda s: s['speedup'])
+    assert (best['c_source'], best['v_source']) == ('parameter ratio', 'v = 1')
+    assert m['range'] == (min(s['speedup'] for s in m['scenarios']), best['speedup'])

@@ -12,11 +12,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from data_fixtures import prepared_stdlib_dir
 
 from specjax.config_files import load_config
-from specjax.evaluation.tables import fmt
+from specjax.evaluation import intervals
+from specjax.evaluation.tables import fmt, fmt_interval, human_label
 from specjax.quickstart import pipeline as quickstart
 from specjax.quickstart import report as quickstart_report
 from specjax.quickstart import stage_runner
@@ -88,6 +90,7 @@ def test_every_stage_runs_and_report_has_every_section_and_plot(finished):
     for heading in SECTIONS:
         assert heading in text, heading
     for name in (
+        'quality_vs_latency',
         'acceptance_by_position',
         'speedup_vs_k',
         'alpha_over_steps',
@@ -138,16 +141,36 @@ def test_report_numbers_equal_the_json(finished):
     d = quickstart_report.load(workdir)
     k = quickstart_report.ref_k(d['spec_distilled'])
     for label in ('T=0', 'T=1,top_k=0,top_p=1'):
-        ce = quickstart_report.run_at(d['spec_ce'], label, k)['block_efficiency']
-        di = quickstart_report.run_at(d['spec_distilled'], label, k)['block_efficiency']
-        assert _cell(text, f'| {label} | {k} |', 2) == fmt(ce)
-        assert _cell(text, f'| {label} | {k} |', 3) == fmt(di)
-        assert _cell(text, f'| {label} | {k} |', 4) == fmt(di / ce)
-        alpha = quickstart_report.run_at(d['spec_distilled'], label, k)['alpha']
-        assert _cell(text, f'| {label} | {k} |', 6) == fmt(alpha)
+        row = f'| {human_label(label)} | {k} |'
+        ce_run = quickstart_report.run_at(d['spec_ce'], label, k)
+        di_run = quickstart_report.run_at(d['spec_distilled'], label, k)
+        ce, di = ce_run['block_efficiency'], di_run['block_efficiency']
+        assert _cell(text, row, 2) == fmt(ce)
+        assert _cell(text, row, 3) == fmt(di)
+        assert _cell(text, row, 4) == fmt(di / ce)
+        assert _cell(text, row, 6) == fmt(di_run['alpha'])
         needed = st.alpha_for_tau(1.25 * ce, k)
-        assert _cell(text, f'| {label} | {k} |', 7) == fmt(needed)
+        assert _cell(text, row, 7) == fmt(needed)
         assert st.expected_block_efficiency(needed, k) == pytest.approx(1.25 * ce)
+        # the ratio's paired bootstrap interval over the same prompts holds the ratio
+        paired = intervals.paired_ratio_interval(
+            ce_run['per_row'], di_run['per_row'], 'block_efficiency'
+        )
+        assert paired['value'] == pytest.approx(di / ce)
+        assert _cell(text, row, 8) == fmt_interval(paired['value'], paired['interval'])
+        # per-position acceptance is printed with the counts it was computed from
+        top = quickstart_report.run_at(
+            d['spec_distilled'], label, max(r['k'] for r in d['spec_distilled']['runs'] if r['k'])
+        )
+        acc = np.sum(top['per_row']['accepted_per_position'], axis=0)
+        exa = np.sum(top['per_row']['examined_per_position'], axis=0)
+        cell = _cell(
+            text,
+            f'| distilled draft | {human_label(label)} | {top["k"]} |',
+            3,
+            '### Acceptance per position',
+        )
+        assert cell.endswith(f'({acc[0]}/{exa[0]})'), cell
     serve = json.load(open(os.path.join(workdir, 'serve', 'serve.json')))
     row = next(r for r in serve['rows'] if r['method'] == 'target' and r['batch_size'] == 1)
     assert _cell(text, '| target alone (autoregressive) | 1 |', 3) == fmt(1e3 * row['ttft_s'])
@@ -157,7 +180,11 @@ def test_report_numbers_equal_the_json(finished):
     assert _cell(text, '| distilled draft | ', 1, replacement) == fmt(distilled['draft_val_loss'])
     assert _cell(text, '| distilled draft | ', 4, replacement) == fmt(1 - distilled['alpha_T1'])
     secs = json.load(open(os.path.join(workdir, 'quickstart.json')))['stage_seconds']
-    assert f'training {fmt(secs["draft_distilled"])} s' in text
+    cpu = json.load(open(os.path.join(workdir, 'quickstart.json')))['stage_cpu_seconds']
+    assert (
+        f'training {fmt(cpu["draft_distilled"])} CPU s ({fmt(secs["draft_distilled"])} s wall'
+        in text
+    )
     assert re.search(r'Break-even .* (tokens|never)', text)
     # Greedy speculative decoding reproduces the target's tokens.
     spec = next(r for r in serve['rows'] if r['method'] == 'spec_distilled')
@@ -165,7 +192,7 @@ def test_report_numbers_equal_the_json(finished):
 
 
 def test_report_opens_with_the_verdict_from_the_json(finished):
-    _, workdir, _, _ = finished
+    config, workdir, _, _ = finished
     text = open(os.path.join(workdir, 'report.md')).read()
     d = quickstart_report.load(workdir)
     assert text.index('## Verdict') < text.index('## Target: distilled tau')
@@ -180,6 +207,10 @@ def test_report_opens_with_the_verdict_from_the_json(finished):
         assert f'best k = {best["k"]}' in cell and f'{fmt(lo)}-{fmt(hi)}' in cell
         assert best['intervals']['alpha'][0] <= best['alpha'] <= best['intervals']['alpha'][1]
         assert len(best['per_row']['accepted']) == d[stage]['prompts']['count']
+        ks = tuple(config.report.accelerator_ks)
+        lo, hi = quickstart_report.accelerator_model(d[stage], 'T=0', ks)['range']
+        pays = _cell(text, f'| {option} ', 4, '## Verdict')
+        assert f'accelerator model: {fmt(lo)}-{fmt(hi)}x' in pays, pays
     bigram, loss = d['target']['baselines']['bigram'], d['target']['eval']['loss']
     assert ('does not beat the count-bigram' in text) == (bigram - loss < 0.3)
     serve = d['serve']

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from specjax.evaluation.tables import human_label
+
 LEVEL = 0.95  # two-sided coverage of every interval
 RESAMPLES = 2000
 SPREAD_FLAG = 1.5  # max / min of a point's repeats above this: its timings are flagged
@@ -146,19 +148,29 @@ def flags(calibration: Mapping, runs: list[dict]) -> list[str]:
                 'predicted speedups and optimal k built on it are unreliable'
             )
     lo, hi = PREDICTION_BAND
+    missed, noisy = [], []
     for r in runs:
         point = 'AR' if r.get('k') is None else f'k = {r["k"]}'
-        where = f'{r.get("sampling_label")} {point}'
+        where = f'{human_label(r.get("sampling_label", ""))} {point}'
         ratio = r.get('speedup_ratio')
         if ratio is not None and np.isfinite(ratio) and not lo <= ratio <= hi:
-            out.append(
-                f'{where}: measured speedup {r["measured_speedup"]:.3g} is {ratio:.2g}x the '
-                f'predicted {r["predicted_speedup"]:.3g} (the round-cost model misses costs here)'
-            )
+            missed.append((ratio, where))
         timing = r.get('timing') or {}
         if timing.get('noisy'):
-            out.append(
-                f'{where}: timing repeats spread {timing["spread"]:.2g}x (max / min): the '
-                'machine was shared; compare ratios measured in the same round only'
-            )
+            noisy.append((timing['spread'], where))
+    n_spec = sum(r.get('speedup_ratio') is not None for r in runs)
+    if missed:
+        ratios = [x for x, _ in missed]
+        out.append(
+            f'measured speedup is {min(ratios):.2g}-{max(ratios):.2g}x the predicted at '
+            f'{len(missed)} of {n_spec} points ({"; ".join(w for _, w in missed)}): the '
+            'round-cost model k c + v(k) misses costs here, so predictions overstate or '
+            'understate'
+        )
+    if noisy:
+        out.append(
+            f'timing repeats spread more than {SPREAD_FLAG:g}x (max / min) at {len(noisy)} '
+            f'points ({"; ".join(f"{w} {x:.2g}x" for x, w in noisy)}): the machine was shared; '
+            'compare ratios measured in the same round only'
+        )
     return out

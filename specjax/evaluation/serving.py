@@ -118,6 +118,7 @@ def run(config, workdir: str, root: str) -> dict:
     result = {
         'k': k,
         'max_new_tokens': n,
+        'repeats': int(config.repeats),
         'sampling': sampling.to_dict(),
         'param_bytes': {name: _param_bytes(p) for name, (_, p) in split_models.items()},
         'num_params': {name: m.config.num_params for name, m in models.items()},

@@ -16,7 +16,20 @@ def fmt(x, digits: int = 3) -> str:
         return str(x)
     if isinstance(x, int | np.integer):
         return str(int(x))
-    return f'{float(x):.{digits}g}'
+    text = f'{float(x):.{digits}g}'
+    return str(round(float(x))) if 'e+' in text else text  # 3000.0 -> '3000', never '3e+03'
+
+
+def fmt_interval(value, interval) -> str:
+    """'0.412 [0.351, 0.470]': a value and its interval (just the value where there is none)."""
+    if not interval or any(x is None for x in interval):
+        return fmt(value)
+    return f'{fmt(value)} [{fmt(interval[0])}, {fmt(interval[1])}]'
+
+
+def fmt_count(value, num, den) -> str:
+    """'0.667 (2/3)': a ratio with the counts it was computed from."""
+    return f'{fmt(value)} ({fmt(num)}/{fmt(den)})'
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -31,6 +44,22 @@ def sampling_label(sampling) -> str:
     if sampling.temperature == 0:
         return 'T=0'
     return f'T={sampling.temperature:g},top_k={sampling.top_k},top_p={sampling.top_p:g}'
+
+
+def human_label(label: str) -> str:
+    """A sampling label for readers: 'T=0' -> 'T = 0 (greedy)', 'T=1,top_k=0,top_p=1' ->
+    'T = 1', 'T=0.7,top_k=40,top_p=0.9' -> 'T = 0.7, top-k 40, top-p 0.9' (defaults left out)."""
+    fields = dict(part.split('=', 1) for part in label.split(',') if '=' in part)
+    if set(fields) - {'T', 'top_k', 'top_p'} or 'T' not in fields:
+        return label
+    if float(fields['T']) == 0:
+        return 'T = 0 (greedy)'
+    words = [f'T = {fields["T"]}']
+    if fields.get('top_k', '0') != '0':
+        words.append(f'top-k {fields["top_k"]}')
+    if float(fields.get('top_p', '1')) != 1:
+        words.append(f'top-p {fields["top_p"]}')
+    return ', '.join(words)
 
 
 def key_safe(label: str) -> str:

@@ -13,7 +13,7 @@ import os
 
 from specjax import jsonio
 from specjax.quickstart import plots as quickstart_plots
-from specjax.quickstart.report_data import load, ref_k, run_at
+from specjax.quickstart.report_data import accelerator_model, load, ref_k, run_at
 from specjax.quickstart.report_runs import section_reduced_vocab, section_setup, section_training
 from specjax.quickstart.report_serving import (
     break_even,
@@ -29,7 +29,16 @@ from specjax.quickstart.report_speculative import (
 from specjax.quickstart.report_verdict import section_verdict, verdict_text
 
 # tests read these here
-__all__ = ['break_even', 'load', 'ref_k', 'render', 'run_at', 'verdict_text', 'write']
+__all__ = [
+    'accelerator_model',
+    'break_even',
+    'load',
+    'ref_k',
+    'render',
+    'run_at',
+    'verdict_text',
+    'write',
+]
 
 
 def render(d: dict, plots: list[str]) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from specjax.sampling import stats as st
 
 PAIRS = {  # spec_eval stage -> (label, training stage of the draft)
@@ -105,17 +107,59 @@ def flop_ratio(spec: dict) -> float:
     return spec['models']['draft']['num_params'] / spec['models']['target']['num_params']
 
 
+def cost_ratios(spec: dict) -> dict[str, float]:
+    """c, one draft step in target steps, three ways: the parameter ratio (FLOPs, compute-bound),
+    the layer ratio (sequential layers, latency-bound at batch 1 on an accelerator) and the value
+    measured on this machine (spec_eval's calibration)."""
+    models = spec['models']
+    return {
+        'parameter ratio': flop_ratio(spec),
+        'layer ratio': models['draft']['n_layers'] / models['target']['n_layers'],
+        'measured': spec['calibration']['c'],
+    }
+
+
 def accelerator_model(spec: dict, label: str, ks) -> dict:
-    """Predicted speedup with v(k) = 1 and c = FLOP ratio, from the measured alpha: a model."""
+    """Predicted speedup from the measured alpha under every (c, v) pair: c from cost_ratios,
+    v = 1 (verification as cheap as a step) at every k in `ks` or v(k) as measured here at the
+    measured k only. A model, not a measurement: {'alpha', 'c', 'scenarios': [{'c_source',
+    'v_source', 'c', 'k', 'speedup'}], 'range': (min, max) over the scenarios' best k}."""
     alpha = spec['optimal_k'][label]['alpha'] or 0.0
-    c = flop_ratio(spec)
-    speedups = st.predicted_speedups(alpha, c, {int(k): 1.0 for k in ks})
+    measured_v = {int(k): float(v) for k, v in spec['calibration']['v'].items()}
+    measured_ks = {r['k'] for r in spec_runs(spec, label)}
+    vs = {
+        'v = 1': {int(k): 1.0 for k in ks},
+        'v measured': {k: v for k, v in measured_v.items() if k in measured_ks},
+    }
+    scenarios = []
+    for c_source, c in cost_ratios(spec).items():
+        for v_source, v in vs.items():
+            if not v:
+                continue
+            k = st.optimal_k(alpha, c, v)
+            speedup = st.predicted_speedups(alpha, c, v)[k]
+            scenarios.append(
+                {'c_source': c_source, 'v_source': v_source, 'c': c, 'k': k, 'speedup': speedup}
+            )
+    speeds = [x['speedup'] for x in scenarios]
     return {
         'alpha': alpha,
-        'c': c,
-        'speedups': speedups,
-        'optimal_k': st.optimal_k(alpha, c, {int(k): 1.0 for k in ks}),
+        'c': cost_ratios(spec),
+        'scenarios': scenarios,
+        'range': (min(speeds), max(speeds)),
     }
+
+
+def position_counts(run: dict) -> list[tuple[int, int]]:
+    """(accepted, examined) per draft position, summed over the run's prompts (per_row)."""
+    acc = np.asarray(run['per_row']['accepted_per_position'], np.int64).sum(axis=0)
+    exa = np.asarray(run['per_row']['examined_per_position'], np.int64).sum(axis=0)
+    return [(int(a), int(e)) for a, e in zip(acc, exa)]
+
+
+def interval(run: dict, name: str):
+    """The run's bootstrap interval [lo, hi] of statistic `name` over prompts, or None."""
+    return (run.get('intervals') or {}).get(name)
 
 
 def serve_row(serve: dict, method: str, batch: int) -> dict:

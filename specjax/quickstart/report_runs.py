@@ -67,20 +67,31 @@ def section_setup(d: dict) -> list[str]:
         markdown_table(
             ['stage', 'wall seconds', 'process CPU seconds', 'ran beside'],
             [[k, v, cpu.get(k), ', '.join(beside.get(k, ())) or '-'] for k, v in secs.items()]
-            + [['total', sum(secs.values()), sum(cpu.values()) if cpu else None, '']],
+            + [
+                [
+                    'sum over stages',
+                    sum(secs.values()),
+                    sum(cpu.values()) if cpu else None,
+                    'stages beside each other overlap: the sum exceeds the elapsed time',
+                ]
+            ],
         ),
         '',
         'Training stages run side by side in their own processes when config.parallel_stages '
         'allows (their wall seconds then include sharing the CPU); timing stages always run '
-        'alone. The quickstart took '
-        f'{fmt(d["run"].get("total_seconds"))} s from start to report.',
+        'alone. Elapsed from start to report: '
+        f'{fmt(d["run"].get("total_seconds"))} s. Costs elsewhere in this report are process '
+        'CPU seconds, which sharing the CPU inflates less than wall seconds.',
         '',
         f'Load average at the end of the last stage: {load} on {d["run"].get("cpu_count")} '
         'cores (above the core count the machine was shared and wall times are inflated; CPU '
         'seconds are inflated less).',
         '',
-        f'Hardware: {env["backend"]} ({env["device_kind"]}), {env["cpu_count"]} CPU cores, jax '
+        f'Hardware: {env["backend"].upper()}'
+        + (f' ({env["device_kind"]})' if env['device_kind'].lower() != env['backend'] else '')
+        + f', {env["cpu_count"]} CPU cores, jax '
         f'{env["jax_version"]}. Timings on a shared machine swing; compare ratios within a table.',
+        '',
     ]
 
 
@@ -94,9 +105,10 @@ def section_training(d: dict) -> list[str]:
     ):
         for row in d['curves'].get(stage) or []:
             rows.append([name, row['step'], row['alpha_T0'], row['alpha_T1']])
-    sep = secs.get('target', 0.0) + secs.get('draft_distilled', 0.0)
+    cpu = d['run'].get('stage_cpu_seconds') or secs
+    sep = cpu.get('target', 0.0) + cpu.get('draft_distilled', 0.0)
     k = ref_k(d['spec_distilled'])
-    label = 'T=1,top_k=0,top_p=1'
+    label = 'T=1,top_k=0,top_p=1'  # spec_eval's sampling label (human_label: 'T = 1')
     k_ce, k_di, k_co = (
         run_at(d[s], label, k)['block_efficiency'] if s in d and label in labels(d[s]) else None
         for s in PAIRS
@@ -106,7 +118,7 @@ def section_training(d: dict) -> list[str]:
         '',
         markdown_table(['draft', 'step', 'alpha_T0', 'alpha_T1'], rows),
         '',
-        (matched_compute(d, sep, secs) if 'cotrain' in d else COTRAIN_SKIPPED)
+        (matched_compute(d, sep, cpu) if 'cotrain' in d else COTRAIN_SKIPPED)
         + f' Measured tau at k = {k}, T = 1 (spec_eval): cross-entropy {fmt(k_ce)}, distilled '
         f'{fmt(k_di)}, co-trained {fmt(k_co)}.',
         '',
@@ -114,17 +126,20 @@ def section_training(d: dict) -> list[str]:
 
 
 def matched_compute(d: dict, separate_s: float, secs: dict) -> str:
-    """What the co-training comparison holds equal, read from the stages' configs."""
+    """What the co-training comparison holds equal, read from the stages' configs; `secs` the
+    stages' CPU seconds, each step counted once."""
     co, di = d['cotrain']['config'], d['draft_distilled']['config']
     total, start = co['train']['steps'], co.get('init', {}).get('target_step', -1)
     draft = di['train']['steps']
     if not co.get('init', {}).get('target_workdir'):
         return (
             f'The co-trained pair trained from scratch for {total} steps (target + draft); the '
-            f'distilled draft for {draft} steps after the target. Seconds: target + distilled '
-            f'draft {fmt(separate_s)} s, co-training {fmt(secs.get("cotrain"))} s.'
+            f'distilled draft for {draft} steps after the target. CPU seconds: target + '
+            f'distilled draft {fmt(separate_s)} s, co-training {fmt(secs.get("cotrain"))} s.'
         )
-    together_s = secs.get('target', 0.0) + secs.get('cotrain', 0.0)
+    # co-training re-runs the target's steps start..total: count only the target's first
+    # `start` steps (its share of the target stage) plus the co-training stage
+    together_s = secs.get('target', 0.0) * start / total + secs.get('cotrain', 0.0)
     return (
         f"Matched compute: co-training continues the target's pretraining from its step {start} "
         f'to {total} with a fresh draft, so the co-trained target takes the same {total} steps '
@@ -132,8 +147,10 @@ def matched_compute(d: dict, separate_s: float, secs: dict) -> str:
         f'{fmt(d["cotrain"]["target_val_loss"])} vs {fmt(d["target"]["eval"].get("loss"))}) and '
         f'its draft {total - start} steps, distilled online from the target while it trains; the '
         f'distilled draft takes {draft} steps from the finished target (co-training against '
-        f'distillation after pretraining). Seconds: target + distilled draft {fmt(separate_s)} '
-        f's, target + co-training {fmt(together_s)} s.'
+        f'distillation after pretraining). CPU seconds: target + distilled draft '
+        f"{fmt(separate_s)} s; the co-trained pair {fmt(together_s)} s (the target stage's "
+        f'first {start} of {total} steps, pro rata, + the co-training stage, which runs the '
+        f"target's steps {start}..{total} itself: counted once)."
     )
 
 

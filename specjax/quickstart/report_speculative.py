@@ -7,12 +7,16 @@ printed with specjax.evaluation.tables.fmt.
 
 from __future__ import annotations
 
-from specjax.evaluation.tables import fmt, markdown_table
+from specjax.evaluation import intervals
+from specjax.evaluation.tables import fmt, fmt_count, fmt_interval, human_label, markdown_table
 from specjax.quickstart.report_data import (
     accelerator_model,
     ar_run,
+    cost_ratios,
+    interval,
     labels,
     pairs,
+    position_counts,
     ref_k,
     run_at,
     serve_row,
@@ -50,22 +54,33 @@ def section_speculative(d: dict) -> list[str]:
             ar = ar_run(spec, label)
             opt = spec['optimal_k'][label]
             rows.append(
-                [label, 'AR', '-', ar['alpha'], '-', '-', to_ms(ar['time_per_token_s']), 1.0, '-']
+                [
+                    human_label(label),
+                    'AR',
+                    '-',
+                    fmt_interval(ar['alpha'], ar.get('alpha_interval')),
+                    '-',
+                    '-',
+                    to_ms(ar['time_per_token_s']),
+                    1.0,
+                    '-',
+                ]
             )
             for r in spec_runs(spec, label):
-                mark = ('*' if r['k'] == opt['best_measured_k'] else '') + (
-                    '+' if r['k'] == opt['predicted_optimal_k'] else ''
+                several = len(spec_runs(spec, label)) > 1  # no star where one k ran
+                mark = ('*' if several and r['k'] == opt['best_measured_k'] else '') + (
+                    '+' if several and r['k'] == opt['predicted_optimal_k'] else ''
                 )
                 rows.append(
                     [
-                        label,
+                        human_label(label),
                         f'{r["k"]}{mark}',
-                        r['acceptance_rate'],
-                        r['alpha'],
-                        r['block_efficiency'],
+                        fmt_interval(r['acceptance_rate'], interval(r, 'acceptance_rate')),
+                        fmt_interval(r['alpha'], interval(r, 'alpha')),
+                        fmt_interval(r['block_efficiency'], interval(r, 'block_efficiency')),
                         r['expected_block_efficiency'],
                         to_ms(r['time_per_token_s']),
-                        r['measured_speedup'],
+                        fmt_interval(r['measured_speedup'], (r.get('speedup') or {}).get('range')),
                         r['predicted_speedup'],
                     ]
                 )
@@ -99,7 +114,13 @@ def section_buckets(d: dict) -> list[str]:
         spec = d[stage]
         for label in labels(spec):
             r = run_at(spec, label, max(x['k'] for x in spec_runs(spec, label)))
-            rows.append([name, label, r['k']] + r['acceptance_per_position_conditional'])
+            cells = [
+                fmt_count(p, a, e)
+                for p, (a, e) in zip(
+                    r['acceptance_per_position_conditional'], position_counts(r), strict=True
+                )
+            ]
+            rows.append([name, human_label(label), r['k']] + cells)
     width = max(len(r) for r in rows) - 3
     out += [
         '### Acceptance per position (conditional: accepted at i given i was examined)',
@@ -116,7 +137,9 @@ def section_buckets(d: dict) -> list[str]:
     for stage, (name, _) in pairs(d).items():
         for label in labels(d[stage]):
             r = run_at(d[stage], label, k)
-            rows.append([name, label, r['acceptance_rate'], r['alpha'], r['block_efficiency']])
+            rows.append(
+                [name, human_label(label), r['acceptance_rate'], r['alpha'], r['block_efficiency']]
+            )
     out += [markdown_table(['draft', 'sampling', 'acceptance', 'alpha', 'tau'], rows), '']
     for bucket, title in (
         ('domain', 'domain'),
@@ -130,19 +153,20 @@ def section_buckets(d: dict) -> list[str]:
                     rows.append(
                         [
                             name,
-                            b['sampling_label'],
+                            human_label(b['sampling_label']),
                             b[bucket],
                             b['rows'],
                             b['acceptance_rate'],
                             b['block_efficiency'],
                         ]
                     )
-        out += [
-            f'### Acceptance by {title} (k = {k})',
-            '',
-            markdown_table(['draft', 'sampling', bucket, 'prompts', 'acceptance', 'tau'], rows),
-            '',
-        ]
+        out += [f'### Acceptance by {title} (k = {k})', '']
+        if len({row[2] for row in rows}) == 1:  # one bucket: a sentence, not a table
+            out += [f'All prompts fall in one bucket ({rows[0][2]}): see the k = {k} rows above.']
+        else:
+            header = ['draft', 'sampling', bucket, 'prompts', 'acceptance', 'tau']
+            out.append(markdown_table(header, rows))
+        out.append('')
     return out
 
 
@@ -151,23 +175,29 @@ def section_accelerator(d: dict) -> list[str]:
     out = [
         '### The same alpha on an accelerator (a model, not a measurement)',
         '',
-        'Predicted speedup = E[tau](alpha) / (k c + v) with v = 1 (verification as cheap as one '
-        'step) and c = draft / target forward FLOPs per token (parameter ratio, tied head '
-        'counted once), alpha as measured above.',
+        'Predicted speedup = E[tau](alpha) / (k c + v(k)) at the best k, from the alpha measured '
+        'above, under three costs of a draft step c (the parameter ratio: compute-bound; the '
+        'layer ratio: latency-bound, batch 1 on an accelerator; the value measured here) and two '
+        'costs of verification v (1: scoring k + 1 tokens costs one step, as on an accelerator '
+        f'at small batch, any k in {min(ks)}..{max(ks)}; v(k) measured here, measured k only). '
+        'Each cell: speedup (best k).',
         '',
     ]
-    rows = []
+    rows, header = [], None
     for stage, (name, _) in pairs(d).items():
         spec = d[stage]
         for label in labels(spec):
             m = accelerator_model(spec, label, ks)
-            rows.append(
-                [name, label, m['alpha'], m['c'], m['optimal_k']] + [m['speedups'][k] for k in ks]
-            )
+            header = header or [f'c {x["c_source"]}, {x["v_source"]}' for x in m['scenarios']]
+            cells = [f'{fmt(x["speedup"])} (k = {x["k"]})' for x in m['scenarios']]
+            rows.append([name, human_label(label), m['alpha']] + cells)
+    c_rows = [
+        [name] + list(cost_ratios(d[stage]).values()) for stage, (name, _) in pairs(d).items()
+    ]
     out += [
-        markdown_table(
-            ['draft', 'sampling', 'alpha', 'c (FLOPs)', 'optimal k'] + [f'k={k}' for k in ks], rows
-        ),
+        markdown_table(['draft', 'c parameter ratio', 'c layer ratio', 'c measured'], c_rows),
+        '',
+        markdown_table(['draft', 'sampling', 'alpha'] + header, rows),
         '',
     ]
     return out
@@ -184,17 +214,19 @@ def section_targets(d: dict) -> list[str]:
             continue
         ce, di = run_at(d['spec_ce'], label, k), run_at(d['spec_distilled'], label, k)
         ratio = di['block_efficiency'] / ce['block_efficiency']
+        paired = intervals.paired_ratio_interval(ce['per_row'], di['per_row'], 'block_efficiency')
         needed = st.alpha_for_tau(1.25 * ce['block_efficiency'], k)
         rows.append(
             [
-                label,
+                human_label(label),
                 k,
                 ce['block_efficiency'],
                 di['block_efficiency'],
                 ratio,
-                'met' if ratio >= 1.25 else 'not met',
+                _met(ratio, paired['interval']),
                 di['alpha'],
                 'unreachable' if needed is None else needed,
+                fmt_interval(paired['value'], paired['interval']),
             ]
         )
     header = [
@@ -206,6 +238,7 @@ def section_targets(d: dict) -> list[str]:
         'target 1.25',
         'alpha distilled',
         'alpha for 1.25 (E[tau] model)',
+        'ratio [95% interval]',
     ]
     return [
         '## Target: distilled tau >= 1.25 x cross-entropy tau',
@@ -213,9 +246,17 @@ def section_targets(d: dict) -> list[str]:
         markdown_table(header, rows),
         '',
         'alpha for 1.25: the alpha at which the i.i.d. model E[tau] = (1 - alpha^(k+1)) / '
-        "(1 - alpha) reaches 1.25 x the cross-entropy draft's measured tau.",
+        "(1 - alpha) reaches 1.25 x the cross-entropy draft's measured tau. The ratio's "
+        'interval is a paired bootstrap over prompts (both drafts on the same prompts, the same '
+        'draws for both); the target is met only when the interval lies above 1.25.',
         '',
     ]
+
+
+def _met(ratio: float, interval) -> str:
+    """'met' / 'not met' for tau ratio >= 1.25, 'unresolved' when the interval straddles it."""
+    lo, hi = interval if interval and None not in interval else (ratio, ratio)
+    return 'met' if lo >= 1.25 else 'not met' if hi < 1.25 else 'unresolved'
 
 
 def needed_alpha_rows(spec: dict, label: str = 'T=0') -> list[dict]:

@@ -11,9 +11,11 @@ JSON (specjax.quickstart.report_data).
 
 from __future__ import annotations
 
+from specjax.evaluation import intervals
 from specjax.evaluation.tables import fmt, markdown_table
-from specjax.quickstart.report_data import pairs, serve_row
+from specjax.quickstart.report_data import accelerator_model, cost_ratios, pairs, serve_row
 
+ACCELERATOR_KS = (1, 2, 3, 4, 5, 6, 7, 8)  # k the accelerator model may choose (v = 1)
 BIGRAM_MARGIN = 0.3  # nats: the target "beats the bigram" by at least this much
 
 
@@ -50,7 +52,7 @@ def _spec_row(d: dict, stage: str, option: str, train_stage: str, label: str = '
         f'{_speedup_words(r)}',
         "exactly the target's (greedy: every token equal)",
         _cpu_s(d, train_stage),
-        _pays(r),
+        _pays(d, stage, r, label),
     ]
 
 
@@ -63,6 +65,8 @@ def _student_row(d: dict) -> list:
         / serve_row(d['serve'], 'draft_distilled', 1)['tpot_s']
     )
     alone = serve_row(d['serve'], 'draft_distilled', 1)
+    ratios = cost_ratios(d['spec_distilled'])
+    c = (ratios['parameter ratio'], ratios['layer ratio'])
     faster = 'faster' if speed > 1 else 'not faster'
     return [
         'distill (the distilled draft served alone)',
@@ -72,7 +76,9 @@ def _student_row(d: dict) -> list:
         f"greedy tokens equal to the target's: {fmt(alone['same_tokens_as_target'])}; "
         f'mean TV {fmt(1 - (student.get("alpha_T1") or float("nan")))}',
         _cpu_s(d, 'draft_distilled'),
-        f'{faster}, not the same output: pays only where its quality loss is acceptable',
+        f'{faster} here, not the same output: pays only where its quality loss is acceptable; '
+        f"accelerator model: {fmt(1 / max(c))}-{fmt(1 / min(c))}x the target's speed (1 / c, c "
+        'from the parameter and layer ratios)',
     ]
 
 
@@ -89,19 +95,45 @@ def verdict_rows(d: dict) -> list[list]:
     return rows
 
 
-def _pays(r: dict) -> str:
+def _pays(d: dict, stage: str, r: dict, label: str) -> str:
     verdict = (r.get('speedup') or {}).get('verdict')
     here = {
         'faster': 'pays on this machine',
         'slower': 'does not pay on this machine',
     }.get(verdict, 'not resolved on this machine')
-    return f'{here} (tau {fmt(r["block_efficiency"])} at k = {r["k"]}); see the accelerator model'
+    lo, hi = accelerator_model(d[stage], label, d.get('config_ks', ACCELERATOR_KS))['range']
+    return (
+        f'{here} (tau {fmt(r["block_efficiency"])} at k = {r["k"]}); accelerator model: '
+        f'{fmt(lo)}-{fmt(hi)}x the target alone (c and v ranged, report section "The same alpha '
+        'on an accelerator")'
+    )
+
+
+def measured_on(d: dict) -> str:
+    """One line: what every figure below rests on (prompts, tokens, seeds, repeats, hardware)."""
+    spec, sv = d['spec_distilled'], d['serve']
+    p, ev = spec['prompts'], spec['config'].get('eval', {})
+    env = sv['environment']
+    domains = ', '.join(f'{n} {name}' for name, n in p['per_domain'].items())
+    kind = env.get('device_kind', '')
+    hardware = env.get('backend', 'cpu').upper() + (f' ({kind})' if kind.lower() != 'cpu' else '')
+    return (
+        f'Measured on: {p["count"]} held-out prompts ({domains}), {p["max_new_tokens"]} new '
+        f'tokens each, batch {p["batch_size"]} (spec_eval); serving {sv["prompts"]["count"]} '
+        f'prompts, {sv["max_new_tokens"]} tokens, batch 1 one prompt per call; seed '
+        f'{spec["config"].get("seed")}; {ev.get("timing_repeats")} interleaved timing repeats '
+        f'(spec_eval), {sv.get("repeats", "-")} (serve); {hardware}, '
+        f'{env.get("cpu_count")} CPU cores, jax {env.get("jax_version")}. Intervals: 95% '
+        'bootstrap over prompts; speedup ranges: min-max of per-repeat ratios.'
+    )
 
 
 def section_verdict(d: dict) -> list[str]:
     backend = d['serve']['environment'].get('backend', 'cpu')
     out = [
         f'## Verdict (greedy, on this {backend.upper()})',
+        '',
+        measured_on(d),
         '',
         markdown_table(
             ['option', 'latency against the target', 'output quality', 'training CPU s', 'pays?'],
@@ -133,10 +165,34 @@ def target_vs_bigram(d: dict) -> list[str]:
     ]
 
 
-def flags_section(d: dict) -> list[str]:
-    items = []
+C_SPREAD_FLAG = 1.1  # measured c of equal-sized drafts differing by more than this: flagged
+
+
+def c_disagreement(d: dict) -> list[str]:
+    """A flag when drafts of one size measured c apart by more than C_SPREAD_FLAG (max / min):
+    the cost of a draft step depends on its shape, not its weights, so the spread is noise."""
+    by_size = {}
     for stage, (name, _) in pairs(d).items():
-        items += [f'- {name}: {f}' for f in d[stage].get('flags', [])]
+        size = d[stage]['models']['draft']['num_params']
+        by_size.setdefault(size, []).append((name, d[stage]['calibration']['c']))
+    out = []
+    for size, items in by_size.items():
+        cs = [c for _, c in items]
+        if len(cs) > 1 and max(cs) / min(cs) > C_SPREAD_FLAG:
+            each = ', '.join(f'{name} {fmt(c)}' for name, c in items)
+            out.append(
+                f'measured c of drafts of the same size ({size} parameters) differs by '
+                f'{fmt(max(cs) / min(cs))}x ({each}): the same shape costs the same, so that '
+                'spread is timing noise; predictions built on c carry it'
+            )
+    return out
+
+
+def flags_section(d: dict) -> list[str]:
+    items = [f'- all pairs: {f}' for f in c_disagreement(d)]
+    for stage, (name, _) in pairs(d).items():
+        spec = d[stage]  # recomputed from the runs: the wording of this report's version
+        items += [f'- {name}: {f}' for f in intervals.flags(spec['calibration'], spec['runs'])]
     if not items:
         return []
     return ['### Flags: figures not to take at face value', ''] + items + ['']

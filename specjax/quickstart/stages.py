@@ -72,7 +72,7 @@ def run_report(cfg, wd, root):
     from specjax.quickstart import report as quickstart_report
 
     d = quickstart_report.load(root)
-    quickstart_report.write(root, d=d)
+    quickstart_report.write(root, accelerator_ks=tuple(cfg.accelerator_ks), d=d)
     print('[quickstart] verdict (greedy; report.md has intervals and flags):', flush=True)
     print(quickstart_report.verdict_text(d), flush=True)
 
