@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import cli
+from benchmarks import cli, roofline
 from specjax import jsonio
+from specjax.models import split
 
 
 def parser():
@@ -202,15 +203,29 @@ def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
 
 
 def table(rows) -> str:
-    head = '| system | method | sampling | batch | tokens/s | tau | draft calls/round |'
-    lines = [head, '|' + '---|' * 7]
+    head = (
+        '| system | method | sampling | batch | tokens/s | tau | draft calls/round | '
+        '% of roofline (AR) |'
+    )
+    lines = [head, '|' + '---|' * 8]
     for r in rows:
-        dc = r.get('draft_calls_per_round')
+        dc, roof = r.get('draft_calls_per_round'), r.get('roofline')
         lines.append(
             f'| {r["system"]} | {r["method"]} | {r["sampling"]} | {r["batch"]} | '
-            f'{r["tokens_per_s"]:.1f} | {r["tau"]:.2f} | {"-" if dc is None else f"{dc:.2f}"} |'
+            f'{r["tokens_per_s"]:.1f} | {r["tau"]:.2f} | {"-" if dc is None else f"{dc:.2f}"} | '
+            f'{"-" if roof is None else f"{100 * roof:.0f}"} |'
         )
     return '\n'.join(lines)
+
+
+def add_roofline(rows: list[dict], weight_bytes: int, bytes_per_s: float) -> None:
+    """Autoregressive rows get 'roofline': the share of the weight-read limit their tokens/s
+    reach (benchmarks.roofline; the same float32 weights on both sides)."""
+    for r in rows:
+        if r['method'] == 'autoregressive':
+            r['roofline'] = roofline.fraction(
+                r['tokens_per_s'], r['batch'], weight_bytes, bytes_per_s
+            )
 
 
 def main(argv=None):
@@ -236,6 +251,8 @@ def main(argv=None):
         rows.append(dict(system='transformers', method=method, sampling=label, batch=1, **r))
     for (method, label, b), r in sj.items():
         rows.append(dict(system='specjax', method=method, sampling=label, batch=b, **r))
+    bandwidth = roofline.bandwidth()
+    add_roofline(rows, roofline.weight_bytes(split(target)[1]), bandwidth)
     rate = {(r['system'], r['method'], r['sampling'], r['batch']): r['tokens_per_s'] for r in rows}
     ratios = {}
     for s in ('greedy', 't1'):
@@ -272,6 +289,7 @@ def main(argv=None):
         'ratios': ratios,
         'greedy_agreement': greedy,
         'wall_s': time.perf_counter() - started,
+        'bandwidth_bytes_per_s': bandwidth,
         'cpu_count': os.cpu_count(),
         'note': 'one process, one shared CPU: compare ratios, not absolute rates',
     }

@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 import time
 
-from benchmarks import cli
+from benchmarks import cli, roofline
 from specjax import jsonio
 
 
@@ -134,6 +134,7 @@ def run(args) -> dict:
     import jax
 
     from specjax.evaluation import measure
+    from specjax.models import split
     from specjax.sampling.calibrate import calibrate, cost_ratio, loop_overhead
 
     started = time.perf_counter()
@@ -145,6 +146,8 @@ def run(args) -> dict:
         'target_params': target.config.num_params,
         'draft_params': {n: d.config.num_params for n, d in drafts.items()},
         'loop_overhead': {},
+        'bandwidth_bytes_per_s': roofline.bandwidth(),
+        'target_weight_bytes': roofline.weight_bytes(split(target)[1]),
         'calibration': {},
         'speculative': [],
         'temperature': args.temperature,
@@ -173,6 +176,12 @@ def run(args) -> dict:
             max_new_tokens=args.max_new,
             repeats=args.repeats,
             iters=args.iters,
+        )
+        lo['roofline'] = roofline.fraction(
+            lo['tokens_per_s'],
+            batch,
+            result['target_weight_bytes'],
+            result['bandwidth_bytes_per_s'],
         )
         result['loop_overhead'][str(batch)] = lo
         result['speculative'] += bench_speculative(
@@ -208,6 +217,7 @@ def tables(result: dict) -> str:
                 lo['tokens_per_s'],
                 lo['step_tokens_per_s'],
                 100 * lo['overhead'],
+                100 * lo['roofline'],
             ]
         )
     for b, cals in result['calibration'].items():
@@ -242,9 +252,20 @@ def tables(result: dict) -> str:
         [
             '### Loop overhead (autoregressive_sample, T=1, no top-k/top-p)',
             markdown_table(
-                ['B', 'step ms', 'sampler ms/token', 'tokens/s', '1/step tokens/s', 'overhead %'],
+                [
+                    'B',
+                    'step ms',
+                    'sampler ms/token',
+                    'tokens/s',
+                    '1/step tokens/s',
+                    'overhead %',
+                    '% of weight-read roofline',
+                ],
                 lo_rows,
             ),
+            f'Roofline: tokens/s / B x target weight bytes '
+            f'({result["target_weight_bytes"] / 2**20:.1f} MiB) / measured bandwidth '
+            f'({result["bandwidth_bytes_per_s"] / 1e9:.1f} GB/s, benchmarks.roofline).',
             '### Cost ratios c and v(k) (target step = 1)',
             markdown_table(
                 ['B', 'draft', 'target step ms', 'c'] + [f'v({k})' for k in range(1, 9)], vk_rows
