@@ -21,14 +21,30 @@ def merge(graphdef, params) -> Transformer:
     return nnx.merge(graphdef, params)
 
 
-def apply(graphdef, params, tokens, positions=None, segment_ids=None):
-    """Uncached forward: int32 [B, T] -> float32 logits [B, T, V]."""
-    return merge(graphdef, params)(tokens, positions=positions, segment_ids=segment_ids)
+def apply(graphdef, params, tokens, positions=None, segment_ids=None, *, feature_layers=()):
+    """Uncached forward: int32 [B, T] -> float32 logits [B, T, V]; with feature_layers (static
+    block indices) -> (logits, features [B, T, n, E]) (Transformer.__call__)."""
+    model = merge(graphdef, params)
+    return model(
+        tokens, positions=positions, segment_ids=segment_ids, feature_layers=feature_layers
+    )
 
 
-def apply_cached(graphdef, params, tokens, num_valid, cache: KVCache, positions=None, mask=None):
-    """Cached forward: (tokens [B, T], num_valid [B], cache) -> (logits [B, T, V], cache).
+def apply_cached(
+    graphdef,
+    params,
+    tokens,
+    num_valid,
+    cache: KVCache,
+    positions=None,
+    mask=None,
+    *,
+    feature_layers=(),
+):
+    """Cached forward: (tokens [B, T], num_valid [B], cache) -> (logits [B, T, V], cache), with
+    feature_layers -> (logits, cache, features [B, T, n, E]) (Transformer.decode).
 
     positions [B, T] / mask [B, T, capacity] override the defaults (token trees).
     """
-    return merge(graphdef, params).decode(tokens, num_valid, cache, positions, mask)
+    model = merge(graphdef, params)
+    return model.decode(tokens, num_valid, cache, positions, mask, feature_layers=feature_layers)

@@ -71,21 +71,29 @@ class Transformer(nnx.Module):
             table_VE = jax.lax.with_sharding_constraint(table_VE, spec)
         return jnp.take(table_VE, tokens_BT, axis=0).astype(self.config.dtype)
 
-    def _run_blocks(self, x_BTE, positions_BT, mask_BTS, cache=None):
-        """All blocks in order -> (x, (per-layer k tuple, per-layer v tuple) or None)."""
+    def _run_blocks(self, x_BTE, positions_BT, mask_BTS, cache=None, feature_layers=()):
+        """All blocks in order -> (x, (per-layer k tuple, per-layer v tuple) or None, features):
+        features [B, T, len(feature_layers), E], the output of each listed block (None when
+        none are listed: then nothing extra is computed or kept)."""
         if self.config.scan_layers:
-            return self._scan_blocks(x_BTE, positions_BT, mask_BTS, cache)
+            return self._scan_blocks(x_BTE, positions_BT, mask_BTS, cache, feature_layers)
         lengths = None if cache is None else cache.lengths
         kvs = [None] * self.config.n_layers if cache is None else list(zip(cache.k, cache.v))
+        outputs = {}
         for i, block in enumerate(self.blocks):
             x_BTE, kvs[i] = block(x_BTE, positions_BT, mask_BTS, kvs[i], lengths)
-        return x_BTE, None if cache is None else tuple(zip(*kvs))
+            if i in feature_layers:
+                outputs[i] = x_BTE
+        features = jnp.stack([outputs[i] for i in feature_layers], 2) if feature_layers else None
+        return x_BTE, None if cache is None else tuple(zip(*kvs)), features
 
-    def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache):
+    def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache, feature_layers=()):
         """The stacked blocks as one `lax.scan` body over their leading layer axis.
 
         The cache keeps its per-layer tuples (the samplers' contract): stacked to
-        [n_layers, B, capacity, K, D] for the scan and split again after it.
+        [n_layers, B, capacity, K, D] for the scan and split again after it. Features: the scan
+        also emits every layer's output [n_layers, B, T, E] (only when asked), then the listed
+        layers are taken from it.
         """
         graphdef, stacked = nnx.split(self.blocks)
         lengths = None if cache is None else cache.lengths
@@ -94,12 +102,27 @@ class Transformer(nnx.Module):
         def body(x, layer):
             params, kv = layer
             x, kv = nnx.merge(graphdef, params)(x, positions_BT, mask_BTS, kv, lengths)
-            return x, None if cache is None else kv
+            return x, (None if cache is None else kv, x if feature_layers else None)
 
-        x_BTE, kv_L = jax.lax.scan(body, x_BTE, (stacked, kv_L))
+        x_BTE, (kv_L, x_LBTE) = jax.lax.scan(body, x_BTE, (stacked, kv_L))
+        features = None
+        if feature_layers:
+            features = jnp.moveaxis(x_LBTE[jnp.asarray(feature_layers)], 0, 2)
         if cache is None:
-            return x_BTE, None
-        return x_BTE, tuple(tuple(a[i] for i in range(self.config.n_layers)) for a in kv_L)
+            return x_BTE, None, features
+        kv = tuple(tuple(a[i] for i in range(self.config.n_layers)) for a in kv_L)
+        return x_BTE, kv, features
+
+    def _feature_layers(self, feature_layers) -> tuple[int, ...]:
+        """The requested layers as a tuple of ints in [0, n_layers); ValueError otherwise."""
+        layers = tuple(int(i) for i in feature_layers)
+        bad = [i for i in layers if not 0 <= i < self.config.n_layers]
+        if bad or len(set(layers)) != len(layers):
+            raise ValueError(
+                f'feature_layers={layers}: each must be a distinct block index in '
+                f'[0, n_layers={self.config.n_layers})'
+            )
+        return layers
 
     def _logits(self, x_BTE):
         x = self.final_norm(x_BTE)
@@ -109,12 +132,15 @@ class Transformer(nnx.Module):
         w = self.lm_head[...].astype(self.config.dtype)
         return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, positions=None, segment_ids=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, *, feature_layers=()):
         """tokens int32 [B, T] -> logits float32 [B, T, V].
 
         Causal; with segment_ids [B, T] (0 = padding) attention is block-diagonal, so packed
-        documents never see each other. positions default to 0..T-1 per row.
+        documents never see each other. positions default to 0..T-1 per row. With
+        feature_layers (block indices, static) -> (logits, features [B, T, n, E]): the hidden
+        state after each listed block, in the order listed (the features a feature draft reads).
         """
+        feature_layers = self._feature_layers(feature_layers)
         b, t = tokens.shape
         if t > self.config.max_len:
             raise ValueError(
@@ -126,25 +152,36 @@ class Transformer(nnx.Module):
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         mask = jnp.broadcast_to(mask, (b, t, t))
-        x, _ = self._run_blocks(self._embed(tokens), positions, mask)
-        return self._logits(x)
+        x, _, features = self._run_blocks(
+            self._embed(tokens), positions, mask, None, feature_layers
+        )
+        return (self._logits(x), features) if feature_layers else self._logits(x)
 
-    def decode(self, tokens, num_valid, cache: kvc.KVCache, positions=None, mask=None):
+    def decode(
+        self, tokens, num_valid, cache: kvc.KVCache, positions=None, mask=None, *, feature_layers=()
+    ):
         """Cached call: tokens int32 [B, T], num_valid int32 [B] -> (logits [B, T, V], cache).
 
         Writes all T tokens at each row's cache length and advances each row by num_valid[b]; logits
         at t >= num_valid[b] are meaningless. Prefill (right-padded prompts), one-token decode, the
         draft's 1-2 token catch-up and (k+1)-token verification all use this path. Token trees
         pass positions int32 [B, T] (default: length + t) and mask bool [B, T, capacity] (default:
-        causal over the cache) to score tree nodes with an ancestor-only mask.
+        causal over the cache) to score tree nodes with an ancestor-only mask. With
+        feature_layers -> (logits, cache, features [B, T, n, E]) as in `__call__`: a
+        verification call returns the features of the positions it scored.
         """
+        feature_layers = self._feature_layers(feature_layers)
         b, t = tokens.shape
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         if mask is None:
             mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
-        x, (ks, vs) = self._run_blocks(self._embed(tokens), positions, mask, cache)
+        x, (ks, vs), features = self._run_blocks(
+            self._embed(tokens), positions, mask, cache, feature_layers
+        )
         new_cache = kvc.KVCache(
             k=ks, v=vs, lengths=cache.lengths + jnp.asarray(num_valid, jnp.int32)
         )
+        if feature_layers:
+            return self._logits(x), new_cache, features
         return self._logits(x), new_cache
