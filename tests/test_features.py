@@ -1,7 +1,8 @@
 """Target features (the hidden state after chosen blocks, what a feature draft reads): equal to a
 block-by-block recomputation, the same from the full forward and from cached decoding, the same
 with scanned layers, free when not asked (the logits program is unchanged) and refused when a
-layer is out of range."""
+layer is out of range. The feature draft (specjax.models.feature_draft): sized from its target,
+refusing targets it cannot read, cached decoding equal to its forward."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flax import nnx
 
 from specjax.models import Transformer, TransformerConfig, apply, apply_cached, init_cache, split
 from specjax.models import layout as lay
+from specjax.models.feature_draft import FeatureDraftConfig, from_target
 
 CFG = TransformerConfig(
     vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, max_len=64,
@@ -103,3 +105,59 @@ def test_not_asking_costs_nothing_and_bad_layers_are_refused(model):
     for bad in ((4,), (-1,), (1, 1)):
         with pytest.raises(ValueError, match=r'feature_layers=.*\[0, n_layers=4\)'):
             model(tokens, feature_layers=bad)
+
+
+# ---------------------------------------------------------------- the feature draft model
+
+
+def _draft(model, **kw):
+    cfg = FeatureDraftConfig.for_target(model.config, **kw)
+    return from_target(model, cfg, rngs=nnx.Rngs(1))
+
+
+def test_feature_draft_config_sizes_from_the_target_and_refuses_what_does_not_fit(model):
+    cfg = FeatureDraftConfig.for_target(CFG)
+    assert cfg.feature_layers == (0, 2, 3) and cfg.n_layers == 1
+    assert cfg.vocab_size == CFG.vocab_size and cfg.decoder.d_model == CFG.d_model
+    assert FeatureDraftConfig.from_dict(cfg.to_dict()) == cfg
+    shallow = dataclasses.replace(CFG, n_layers=2)
+    with pytest.raises(ValueError, match='target n_layers=2'):
+        FeatureDraftConfig.for_target(shallow)
+    with pytest.raises(ValueError, match=r'feature_layers=\(0, 1, 4\).*n_layers=4'):
+        FeatureDraftConfig.for_target(CFG, feature_layers=(0, 1, 4))
+    with pytest.raises(ValueError, match='need >= 3 distinct'):
+        FeatureDraftConfig.for_target(CFG, feature_layers=(0, 1, 1))
+    with pytest.raises(ValueError, match='draft_vocab_size=99'):
+        FeatureDraftConfig.for_target(CFG, draft_vocab_size=99)
+    with pytest.raises(ValueError, match='n_layers must be an int >= 1'):
+        FeatureDraftConfig.for_target(CFG, n_layers=0)
+    other = Transformer(dataclasses.replace(CFG, d_model=48, head_dim=None), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match='differs from FeatureDraftConfig.target'):
+        from_target(other, cfg, rngs=nnx.Rngs(0))
+
+
+def test_feature_draft_reads_fused_target_features_and_caches_like_its_forward(model):
+    """The draft over target features: embedding copied from the target, logits over the reduced
+    vocabulary, and cached decoding (prefill then one position at a time, feeding its own output
+    state) equal to the uncached forward over the same inputs."""
+    draft = _draft(model, draft_vocab_size=17, n_layers=2)
+    np.testing.assert_array_equal(draft.embed[...], model.embed[...])
+    b, t, prompt = 2, 9, 5
+    tokens = _tokens(b, t + 1, seed=3)
+    _, target_feats = model(tokens[:, :t], feature_layers=draft.config.feature_layers)
+    feats = draft.fuse_features(target_feats)  # f_t, paired with token x_{t+1}
+    assert feats.shape == (b, t, CFG.d_model)
+    logits, state = draft(tokens[:, 1:], feats)
+    assert logits.shape == (b, t, 17) and state.shape == (b, t, CFG.d_model)
+    cache = draft.init_cache(b, capacity=16)
+    lg, st, cache = draft.decode(
+        tokens[:, 1 : prompt + 1], feats[:, :prompt], jnp.full((b,), prompt), cache
+    )
+    got = [lg]
+    for i in range(prompt, t):
+        lg, _, cache = draft.decode(
+            tokens[:, i + 1 : i + 2], feats[:, i : i + 1], jnp.ones((b,), jnp.int32), cache
+        )
+        got.append(lg)
+    np.testing.assert_allclose(jnp.concatenate(got, 1), logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(st, state[:, :prompt], rtol=1e-4, atol=1e-4)

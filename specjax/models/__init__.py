@@ -1,12 +1,15 @@
 """Model definitions shared by targets, drafts, teachers and students."""
 
 from specjax.models.config import TransformerConfig
+from specjax.models.feature_draft import FeatureDraft, FeatureDraftConfig
 from specjax.models.functional import apply, apply_cached, merge, split
 from specjax.models.kv_cache import KVCache, check_capacity, init_cache
 from specjax.models.layout import stack_layers, to_layout, unstack_layers
 from specjax.models.transformer import Transformer
 
 __all__ = [
+    'FeatureDraft',
+    'FeatureDraftConfig',
     'KVCache',
     'Transformer',
     'TransformerConfig',
