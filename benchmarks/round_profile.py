@@ -107,7 +107,7 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0):
         state, x = carry
         act = ones > 0
         u = jnp.full((batch, k), 0.5)
-        x_BK, q, dc = speculative._propose(dgd, dp, state.replace(last=x), u, act, **{
+        x_BK, q, dc, _ = speculative._propose(dgd, dp, state.replace(last=x), u, act, **{
             n: kw[n] for n in ('k', 'sampling', 'acc', 'vocab', 'bug')})  # fmt: skip
         return state.replace(dcache=dc.replace(lengths=state.dcache.lengths)), x_BK[:, -1]
 

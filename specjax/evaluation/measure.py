@@ -30,7 +30,7 @@ class CompiledSampler:
     compile_s: float
 
     def __call__(self, *args):
-        return self.compiled(*self.sampler.place(args))
+        return self.sampler.checked(self.compiled(*self.sampler.place(args)))
 
     def host_rows(self, global_rows):
         return self.sampler.host_rows(global_rows)

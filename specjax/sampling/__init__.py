@@ -3,6 +3,7 @@
 from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_acceptance
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
 from specjax.sampling.common import PAD_ID, SampleOutput, check_same_tokenizer
+from specjax.sampling.guards import NonFiniteLogitsError
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
 from specjax.sampling.transforms import (
     SamplingConfig,
@@ -20,6 +21,7 @@ __all__ = [
     'RULES',
     'Acceptance',
     'as_acceptance',
+    'NonFiniteLogitsError',
     'PAD_ID',
     'SampleOutput',
     'SamplingConfig',

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import apply_cached, init_cache, split
-from specjax.sampling import common
+from specjax.sampling import common, guards
 from specjax.sampling.transforms import (
     SamplingConfig,
     branch,
@@ -33,11 +33,15 @@ def autoregressive_sample(
     eos_id=None,
     mesh=None,
     rules=None,
+    check_finite: bool = True,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `model` (prompts int32 [B, P], lengths int32 [B]).
 
     Returns tokens [B, max_new_tokens] (PAD_ID after each row's end: eos, which is kept, or
     max_new_tokens), lengths [B] and stats (`SampleOutput`): one round per generated token.
+    Prompt ids outside [0, vocab_size) raise ValueError before compiling; non-finite logits
+    raise guards.NonFiniteLogitsError after the call (specjax.sampling.guards; stats
+    `nonfinite_target`). `check_finite=False` turns the in-loop check off (cost measurement).
     """
     graphdef, params = split(model)
     fn = make_autoregressive_fn(
@@ -47,6 +51,7 @@ def autoregressive_sample(
         eos_id=eos_id,
         mesh=mesh,
         rules=rules,
+        check_finite=check_finite,
     )
     return fn(params, prompts, prompt_lengths, rng)
 
@@ -60,36 +65,44 @@ def make_autoregressive_fn(
     mesh=None,
     rules=None,
     dynamic_sampling: bool = False,
+    check_finite: bool = True,
 ):
     """fn(params, prompts, prompt_lengths, rng) -> SampleOutput; cached, and sharing compiled
-    programs between settings, like make_speculative_fn (`dynamic_sampling` included)."""
+    programs between settings, like make_speculative_fn (`dynamic_sampling` and the guards
+    included)."""
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
     eos_id = common.check_eos(eos_id, common.config_of(graphdef).vocab_size)
     mesh = common.default_mesh() if mesh is None else mesh
-    program = _cached_fn(graphdef, max_new, eos_id, mesh, common.normalize_rules(rules))
+    rules = common.normalize_rules(rules)
+    program = _cached_fn(graphdef, max_new, eos_id, mesh, rules, bool(check_finite))
     return program.with_sampling(sampling, dynamic_sampling)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(graphdef, max_new, eos_id, mesh, rules):
+def _cached_fn(graphdef, max_new, eos_id, mesh, rules, check_finite):
     def check(width):
         common.check_fits(
             common.config_of(graphdef), width, max_new, 1, 'autoregressive_sample model'
         )
 
     core = functools.partial(
-        _autoregressive_core, graphdef, max_new=max_new, eos_id=eos_id, layout=(mesh, rules)
-    )
+        _autoregressive_core, graphdef, max_new=max_new, eos_id=eos_id, layout=(mesh, rules),
+        check_finite=check_finite,
+    )  # fmt: skip
     models = (('model', graphdef, rules, 'rules'),)
-    return common.ShardedSampler(core, mesh, rules, check, models, takes_values=True)
+    return common.ShardedSampler(
+        core, mesh, rules, check, models, takes_values=True, name='autoregressive_sample'
+    )
 
 
 def _autoregressive_core(
-    graphdef, params, prompts, prompt_lengths, rng, sampling, *, max_new, eos_id, layout
-):
+    graphdef, params, prompts, prompt_lengths, rng, sampling, *, max_new, eos_id, layout,
+    check_finite=True,
+):  # fmt: skip
     """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
     batch, width = prompts.shape
+    prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     cache = init_cache(common.config_of(graphdef), batch, width + max_new + 1)
     (cache,) = common.shard_caches(layout[0], ((cache, layout[1]),))
     _, cache = apply_cached(graphdef, params, prompts, prompt_lengths - 1, cache)
@@ -101,6 +114,7 @@ def _autoregressive_core(
         emitted=zeros,
         done=jnp.zeros((batch,), bool),
         step=jnp.int32(0),
+        nonfinite=jnp.zeros((), bool),
     )
 
     def body(state):
@@ -125,6 +139,7 @@ def _autoregressive_core(
             emitted=emitted,
             done=state['done'] | (active & finished),
             step=state['step'] + 1,
+            nonfinite=state['nonfinite'] | guards.any_nonfinite(logits, active, check_finite),
         )
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s['done']), body, state)
@@ -140,5 +155,7 @@ def _autoregressive_core(
             row_rounds=lengths,
             row_target_calls=lengths + 1,
             batch_rounds=state['step'],
+            nonfinite_target=state['nonfinite'],
+            nonfinite_draft=jnp.zeros((), bool),
         ),
     )

@@ -25,6 +25,7 @@ from specjax.parallel import (
 )
 from specjax.parallel.mesh import resolve_rules
 from specjax.parallel.sharding import check_batch, check_model_on_mesh, constrain_cache
+from specjax.sampling import guards
 from specjax.sampling.transforms import SamplingConfig
 
 PAD_ID = 0
@@ -43,6 +44,8 @@ class SampleOutput:
     `row_target_calls` (rounds + 1 prefill), `row_draft_calls` (k per round + 1 prefill).
     Totals without the `row_` prefix are sums over rows; `batch_rounds` is the number of batched
     rounds the loop ran (the slowest row's). Block efficiency tau = emitted / rounds.
+    `nonfinite_target` / `nonfinite_draft` (bool scalars): a model's logits held NaN or inf in
+    an active row (specjax.sampling.guards; the samplers raise on concrete results).
     """
 
     tokens: jax.Array
@@ -154,15 +157,18 @@ class ShardedSampler:
     the key and the totals are replicated. Prompts are host-local rows: with several processes
     each passes its own rows and the global batch is their concatenation in process order.
     One compile per prompt shape; every check (`check(width)`, batch and head divisibility,
-    missing rules) runs on the host before any compile.
+    missing rules, prompt ids in the first model's vocabulary) runs on the host before any
+    compile. A call raises guards.NonFiniteLogitsError, naming `name`, when the output's flags
+    say a model produced non-finite logits (`checked`; see specjax.sampling.guards).
 
     With `takes_values`, core takes one more argument, a replicated pytree bound by
     `with_values` (the traced sampling values): the samplers `with_values` returns share this
     one's jit, so they compile once between them (per shape and values structure).
     """
 
-    def __init__(self, core, mesh, rules, check, models=None, takes_values=False):
+    def __init__(self, core, mesh, rules, check, models=None, takes_values=False, name='sampler'):
         self.core, self.mesh, self.rules, self.check = core, mesh, rules, check
+        self.name = name
         self.models, self.takes_values, self.values = models, takes_values, None
         self._program = {'jitted': None, 'shardings': None}  # shared with with_values' copies
 
@@ -189,7 +195,11 @@ class ShardedSampler:
     def __call__(self, *args) -> SampleOutput:
         """args: (*params, prompts, prompt_lengths, rng)."""
         args = self.place(args)  # builds the jit on first use
-        return self._jitted(*args)
+        return self.checked(self._jitted(*args))
+
+    def checked(self, out: SampleOutput) -> SampleOutput:
+        """`out` after raising NonFiniteLogitsError where its flags are set (waits for it)."""
+        return guards.raise_if_nonfinite(out, self.name)
 
     def host_rows(self, global_rows):
         """This process's rows of a host-global [B, ...] array (prompts or lengths that every
@@ -249,6 +259,10 @@ class ShardedSampler:
         the bound values)."""
         *params, prompts, prompt_lengths, rng = args
         local_batch, width = check_prompts(prompts, prompt_lengths)
+        if self.models:
+            who, graphdef = self.models[0][:2]
+            vocab = config_of(graphdef).vocab_size
+            guards.check_prompt_ids(prompts, prompt_lengths, vocab, f'{self.name} {who}')
         self.check(width)
         check_batch(local_batch * jax.process_count(), self.mesh, self.rules)
         batch_spec = self._build(params)

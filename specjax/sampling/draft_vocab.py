@@ -73,10 +73,12 @@ def check_draft_vocab(draft_vocab_ids, target_vocab: int, draft_vocab: int) -> D
             f'draft_vocab_ids must be a non-empty int [N] array, got shape {ids.shape} '
             f'dtype {ids.dtype}'
         )
-    if ids.min() < 0 or ids.max() >= target_vocab:
+    bad = (ids < 0) | (ids >= target_vocab)
+    if bad.any():
+        i = int(np.argmax(bad))
         raise ValueError(
-            f'draft_vocab_ids must lie in [0, target vocab_size={target_vocab}), '
-            f'got values in [{ids.min()}, {ids.max()}]'
+            f'draft_vocab_ids[{i}]={int(ids[i])}: ids must lie in [0, target vocab_size='
+            f'{target_vocab}) ({int(bad.sum())} outside, values in [{ids.min()}, {ids.max()}])'
         )
     if len(np.unique(ids)) != len(ids):
         raise ValueError('draft_vocab_ids has duplicate token ids')

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models import KVCache, apply_cached, init_cache, split
-from specjax.sampling import common
+from specjax.sampling import common, guards
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -49,6 +49,8 @@ class SpeculativeState:
     tokens, emitted [B] their count, done [B]. round (scalar) batched rounds so far, row_rounds
     [B] rounds each row was active in; row_examined_per_position / row_accepted_per_position
     [B, K]: rounds in which the row tested / accepted a proposal at position (depth) i + 1.
+    nonfinite_target / nonfinite_draft (bool scalars): whether that model's logits held NaN or
+    inf in an active row in some round so far (specjax.sampling.guards).
     """
 
     tcache: KVCache
@@ -63,6 +65,8 @@ class SpeculativeState:
     row_rounds: jax.Array
     row_examined_per_position: jax.Array
     row_accepted_per_position: jax.Array
+    nonfinite_target: jax.Array = False  # defaults: states built outside the samplers
+    nonfinite_draft: jax.Array = False
 
 
 def speculative_sample(
@@ -81,6 +85,7 @@ def speculative_sample(
     acceptance='probabilistic',
     draft_vocab_ids=None,
     draft_rules=None,
+    check_finite: bool = True,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
 
@@ -92,6 +97,10 @@ def speculative_sample(
     `mesh` / `rules`: where the target's parameters, the batch and both KV caches lie (default:
     one device, DEFAULT_RULES); `draft_rules` (None = `rules`; pairs or a preset name such as
     'data_parallel') shard the draft's parameters and cache differently, e.g. replicated.
+    Prompt ids outside [0, vocab_size) raise ValueError before compiling; non-finite logits of
+    either model raise guards.NonFiniteLogitsError naming it after the call (stats
+    `nonfinite_target` / `nonfinite_draft`; specjax.sampling.guards). `check_finite=False`
+    turns the in-loop check off (cost measurement only).
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = split(draft)
@@ -107,6 +116,7 @@ def speculative_sample(
         acceptance=acceptance,
         draft_vocab_ids=draft_vocab_ids,
         draft_rules=draft_rules,
+        check_finite=check_finite,
     )
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
@@ -125,6 +135,7 @@ def make_speculative_fn(
     draft_vocab_ids=None,
     draft_rules=None,
     dynamic_sampling: bool = False,
+    check_finite: bool = True,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -136,7 +147,8 @@ def make_speculative_fn(
     `dynamic_sampling` every setting at one top_k does (greediness and top-p are then lax.conds:
     free for sampled settings, but greedy rounds then carry the sampled path's unused [B, k, V]
     q, so timed greedy runs keep it off; docs/performance.md has the measured cost).
-    Arguments are checked here and in fn before any compile.
+    Arguments are checked here and in fn before any compile; fn raises NonFiniteLogitsError
+    after a call with non-finite logits (`check_finite=False`: unchecked, to measure the cost).
     """
     k = common.check_positive_int('num_draft_tokens', num_draft_tokens)
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
@@ -162,13 +174,15 @@ def make_speculative_fn(
         acc,
         vocab,
         _bug,
+        bool(check_finite),
     )
     return program.with_sampling(sampling, dynamic_sampling)
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
-    target_graphdef, draft_graphdef, k, max_new, eos_id, mesh, rules, draft_rules, acc, vocab, bug
+    target_graphdef, draft_graphdef, k, max_new, eos_id, mesh, rules, draft_rules, acc, vocab, bug,
+    check_finite,
 ):  # fmt: skip
     def check(width):
         for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
@@ -186,20 +200,24 @@ def _cached_fn(
         vocab=vocab,
         bug=bug,
         layout=(mesh, rules, draft_rules),
+        check_finite=check_finite,
     )
     models = (
         ('target', target_graphdef, rules, 'rules'),
         ('draft', draft_graphdef, draft_rules, 'draft_rules'),
     )
-    return common.ShardedSampler(core, mesh, rules, check, models, takes_values=True)
+    return common.ShardedSampler(
+        core, mesh, rules, check, models, takes_values=True, name='speculative_sample'
+    )
 
 
 def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, sampling, *, k, max_new, eos_id,
-    acc, vocab, bug, layout,
+    acc, vocab, bug, layout, check_finite=True,
 ):  # fmt: skip
     """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
     batch, width = prompts.shape
+    prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     capacity = width + max_new + k + 1
     rows = jnp.arange(batch)
     mesh, rules, draft_rules = layout
@@ -223,10 +241,11 @@ def _speculative_core(
         row_rounds=zeros,
         row_examined_per_position=jnp.zeros((batch, k), jnp.int32),
         row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
+        **guards.initial_flags(),
     )
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, max_new=max_new, sampling=sampling,
-        eos_id=eos_id, acc=acc, vocab=vocab, bug=bug,
+        eos_id=eos_id, acc=acc, vocab=vocab, bug=bug, check_finite=check_finite,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
@@ -236,8 +255,11 @@ def _speculative_core(
     )
 
 
-def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug):
-    """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, cache).
+def _propose(
+    dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug, check_finite=True
+):  # fmt: skip
+    """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, cache,
+    whether any of the k draft logits of an active row was non-finite).
 
     k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
     q_2..q_k; x_k is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax
@@ -246,6 +268,7 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
     placeholder when greediness is static).
     """
     act = active.astype(jnp.int32)
+    nonfinite = lambda lg: guards.any_nonfinite(lg, active, check_finite)
     logits, dcache = common.draft_catch_up(
         dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
         vocab.to_draft,
@@ -275,30 +298,32 @@ def _propose(dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab
         return branch(greedy, argmax, sample, uniform_B, vocab.restrict(logits))
 
     def step(carry, uniform_B):
-        logits, cache = carry
+        logits, cache, bad = carry
         x, q = draw(uniform_B, logits)
         logits, cache = apply_cached(dgd, dparams, vocab.to_draft(x[:, None]), act, cache)
-        return (logits[:, 0], cache), (x, q)
+        bad = bad | nonfinite(logits)
+        return (logits[:, 0], cache, bad), (x, q)
 
-    uniform_KB = uniform_BK.T
-    (logits, dcache), (xs, qs) = jax.lax.scan(step, (logits, dcache), uniform_KB[: k - 1])
+    uniform_KB, carry = uniform_BK.T, (logits, dcache, nonfinite(logits))
+    (logits, dcache, bad), (xs, qs) = jax.lax.scan(step, carry, uniform_KB[: k - 1])
     x_last, q_last = draw(uniform_KB[k - 1], logits)
     x_BK = jnp.concatenate([xs.T, x_last[:, None]], axis=1)
     q_BKV = jnp.concatenate([jnp.swapaxes(qs, 0, 1), q_last[:, None]], axis=1)
-    return x_BK, q_BKV, dcache
+    return x_BK, q_BKV, dcache, bad
 
 
 def _round(
-    tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, acc, vocab, bug
-):
+    tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, acc, vocab, bug,
+    check_finite=True,
+):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
     # One draw per round; its disjoint slices are independent streams for the draft samples,
     # the acceptance tests and the residual/bonus draw.
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
-    x_BK, q_BKV, dcache = _propose(
+    x_BK, q_BKV, dcache, draft_bad = _propose(
         dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
-        vocab=vocab, bug=bug,
+        vocab=vocab, bug=bug, check_finite=check_finite,
     )  # fmt: skip
 
     tcache = state.tcache
@@ -322,6 +347,7 @@ def _round(
 
     # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
     num_acc, next_token = branch(greedy, lambda lg: verify_greedy(lg, x_BK), test, logits)
+    target_bad = guards.any_nonfinite(logits, active, check_finite)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
     count, hit_eos, emitted, out = common.emit_round(
@@ -350,6 +376,8 @@ def _round(
         row_rounds=state.row_rounds + act,
         row_examined_per_position=state.row_examined_per_position + examined,
         row_accepted_per_position=state.row_accepted_per_position + accepted,
+        nonfinite_target=state.nonfinite_target | target_bad,
+        nonfinite_draft=state.nonfinite_draft | draft_bad,
     )
 
 
@@ -368,4 +396,5 @@ def _stats(state, k):
         row_draft_calls=k * rounds + 1,
     )
     totals = {name[4:]: value.sum(0) for name, value in rows.items()}
-    return {**totals, **rows, 'batch_rounds': state.round}
+    flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
+    return {**totals, **rows, 'batch_rounds': state.round, **flags}

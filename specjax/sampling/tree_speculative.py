@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.models import apply_cached, init_cache, split
 from specjax.models.kv_cache import gather_window
-from specjax.sampling import common
+from specjax.sampling import common, guards
 from specjax.sampling import tree as tr
 from specjax.sampling.speculative import SpeculativeState
 from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
@@ -48,23 +48,27 @@ _BUGS = (None, 'stale_residual', 'unmodified_p')
 def tree_speculative_sample(
     target, draft, prompts, prompt_lengths, *, tree, max_new_tokens: int,
     sampling: SamplingConfig, rng, eos_id=None, mesh=None, rules=None, draft_rules=None,
+    check_finite: bool = True,
 ) -> common.SampleOutput:  # fmt: skip
     """Samples max_new_tokens per row from `target`'s distribution with a draft token `tree`.
 
     Same arguments and output as `speculative_sample`, with `tree` (see specjax.sampling.tree)
     in place of num_draft_tokens; stats are per depth (k = D) and `drafted` counts N nodes a
-    round. `mesh`, `rules` and `draft_rules` as in `speculative_sample`.
+    round. `mesh`, `rules` and `draft_rules` as in `speculative_sample`, and so are the guards
+    (prompt ids, plus child ranks >= vocab_size, refused before compiling; non-finite logits
+    raise guards.NonFiniteLogitsError naming the model; `check_finite`).
     """
     fn = make_tree_speculative_fn(
         split(target)[0], split(draft)[0], tree=tree, max_new_tokens=max_new_tokens,
         sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules, draft_rules=draft_rules,
+        check_finite=check_finite,
     )  # fmt: skip
     return fn(split(target)[1], split(draft)[1], prompts, prompt_lengths, rng)
 
 
 def make_tree_speculative_fn(
     target_graphdef, draft_graphdef, *, tree, max_new_tokens: int, sampling: SamplingConfig,
-    eos_id=None, mesh=None, rules=None, draft_rules=None, _bug=None,
+    eos_id=None, mesh=None, rules=None, draft_rules=None, check_finite: bool = True, _bug=None,
 ):  # fmt: skip
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
     tree = tr.check_tree(tree)
@@ -77,21 +81,20 @@ def make_tree_speculative_fn(
     eos_id = common.check_eos(eos_id, t_vocab)
     if _bug not in _BUGS:
         raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
-    if sampling.greedy and tr.tables(tree).top > t_vocab:
-        raise ValueError(f'tree child rank {tr.tables(tree).top - 1} >= vocab_size={t_vocab}')
+    guards.check_tree_ranks(tree, t_vocab)
     mesh = common.default_mesh() if mesh is None else mesh
     rules = common.normalize_rules(rules)
     return _cached_fn(
         target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh, rules,
-        common.normalize_draft_rules(draft_rules, rules), _bug,
+        common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite),
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug):
+def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check):
     n = len(tree)
 
-    def check(width):
+    def fits(width):
         for name, graphdef in (('target', tgd), ('draft', dgd)):
             cfg = common.config_of(graphdef)
             common.check_fits(
@@ -100,15 +103,16 @@ def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rul
 
     core = functools.partial(
         _tree_core, tgd, dgd, tree=tree, max_new=max_new, sampling=sampling, eos_id=eos_id,
-        bug=bug, layout=(mesh, rules, draft_rules),
+        bug=bug, layout=(mesh, rules, draft_rules), check_finite=check,
     )  # fmt: skip
     models = (('target', tgd, rules, 'rules'), ('draft', dgd, draft_rules, 'draft_rules'))
-    return common.ShardedSampler(core, mesh, rules, check, models)
+    return common.ShardedSampler(core, mesh, rules, fits, models, name='tree_speculative_sample')
 
 
 def _tree_core(tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, **kw):
     t = tr.tables(tree)
     batch, width = prompts.shape
+    prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     capacity = width + kw['max_new'] + t.num_nodes + 1
     mesh, rules, draft_rules = layout
     tcache, dcache = common.shard_caches(mesh, (
@@ -125,7 +129,7 @@ def _tree_core(tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree
         prev=zeros, draft_pending=zeros + 1, out=out,
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
         row_examined_per_position=jnp.zeros((batch, d), jnp.int32),
-        row_accepted_per_position=jnp.zeros((batch, d), jnp.int32),
+        row_accepted_per_position=jnp.zeros((batch, d), jnp.int32), **guards.initial_flags(),
     )  # fmt: skip
     body = functools.partial(_round, tgd, dgd, tparams, dparams, rng, t=t, **kw)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
@@ -164,14 +168,16 @@ def _top_ranked(logits_BWV, top: int):
     return jnp.stack(ranked, axis=-1)
 
 
-def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling):
+def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling, check_finite):
     """Catch-up, then one draft call per depth < D -> (node tokens [B, N], q [B, F + 1, V] at the
-    root and the fed nodes, draft cache with the F fed nodes written after the context)."""
+    root and the fed nodes, draft cache with the F fed nodes written after the context, whether
+    the draft's logits of an active row were non-finite)."""
     act = active.astype(jnp.int32)
     logits, dcache = common.draft_catch_up(
         dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active
     )
     logits = logits[:, None]  # [B, 1, V]: the root
+    bad = guards.any_nonfinite(logits, active, check_finite)
     base = dcache.lengths  # the context; fed node i sits at base + i - 1
     fed_ancestor = t.ancestor[1 : t.num_fed + 1, 1 : t.num_fed + 1]
     qs, tokens = [transform_logits(logits, sampling)], []
@@ -190,10 +196,11 @@ def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling):
         positions = base[:, None] - 1 + jnp.asarray(t.depth[s:e])[None, :]
         cache = dcache.replace(lengths=base + s - 1)
         level_logits, dcache = apply_cached(dgd, dparams, toks, act * 0, cache, positions, mask)
+        bad = bad | guards.any_nonfinite(level_logits, active, check_finite)
         level_q, first = transform_logits(level_logits, sampling), s
         qs.append(level_q)
     dcache = dcache.replace(lengths=base)
-    return jnp.concatenate(tokens, axis=1), jnp.concatenate(qs, axis=1), dcache
+    return jnp.concatenate(tokens, axis=1), jnp.concatenate(qs, axis=1), dcache, bad
 
 
 def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug):
@@ -244,12 +251,16 @@ def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug):
     return path, accepted, nxt, jnp.stack(tested, axis=1)
 
 
-def _round(tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_id, bug):
+def _round(
+    tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_id, bug, check_finite
+):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
     n, depth = t.num_nodes, t.max_depth
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * n + 1))
-    tok_BN, q_BFV, dcache = _draft_tree(dgd, dparams, state, noise[:, :n], active, t, sampling)
+    tok_BN, q_BFV, dcache, draft_bad = _draft_tree(
+        dgd, dparams, state, noise[:, :n], active, t, sampling, check_finite
+    )
 
     tcache = state.tcache
     base = tcache.lengths  # the root token `last` goes here, node i at base + i
@@ -298,6 +309,9 @@ def _round(tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_
         row_rounds=state.row_rounds + act,
         row_examined_per_position=state.row_examined_per_position + examined,
         row_accepted_per_position=state.row_accepted_per_position + accepted,
+        nonfinite_target=state.nonfinite_target
+        | guards.any_nonfinite(logits, active, check_finite),
+        nonfinite_draft=state.nonfinite_draft | draft_bad,
     )
 
 
@@ -321,4 +335,5 @@ def _stats(state, t):
         row_draft_calls=t.max_depth * rounds + 1,
     )
     totals = {name[4:]: value.sum(0) for name, value in rows.items()}
-    return {**totals, **rows, 'batch_rounds': state.round}
+    flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
+    return {**totals, **rows, 'batch_rounds': state.round, **flags}
