@@ -7,15 +7,27 @@ r"""Real checkpoints in and out of specjax workdirs.
   python -m specjax.interop early_exit --workdir=/tmp/specjax/smollm2 \
       --out=/tmp/specjax/smollm2_exit4 --layers=4
   python -m specjax.interop export --workdir=DIR --out=HF_DIR
+
+Exit status: 0 done; 2 (specjax.errors.USER_ERROR_EXIT_CODE) a refusal (a SpecjaxError, or a
+ValueError / FileNotFoundError raised by specjax's own checks: a truncated file, a missing config
+key), printed as one line `FATAL <message>` (with its traceback only with --verbose_errors or
+SPECJAX_TRACEBACK=1); anything else a failure, with its traceback. A failed import or early exit
+leaves no new files behind (specjax.interop.staging).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import traceback
 
 from absl import app, flags
 
+from specjax import errors
 from specjax.interop import workdir as wd
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMMANDS = ('import', 'early_exit', 'export')
 _SOURCE = flags.DEFINE_string('source', None, f'import: one of {list(wd.SOURCE_KINDS)}')
@@ -24,6 +36,9 @@ _OUT = flags.DEFINE_string('out', None, 'early_exit: the draft workdir; export: 
 _LAYERS = flags.DEFINE_integer('layers', None, 'early_exit: layers the draft keeps')
 _DTYPE = flags.DEFINE_string('dtype', None, 'import: compute/parameter dtype (default float32)')
 _SCAN = flags.DEFINE_bool('scan_layers', False, 'import: save the blocks stacked (one scan body)')
+_VERBOSE = flags.DEFINE_bool(
+    'verbose_errors', False, f'refusals print their traceback too (or {errors.TRACEBACK_ENV}=1)'
+)
 
 
 def _need(flag, command):
@@ -37,14 +52,22 @@ def main(argv):
         raise app.UsageError(f'usage: python -m specjax.interop {{{"|".join(COMMANDS)}}} --flags')
     command = argv[1]
     workdir = _need(_WORKDIR, command)
-    if command == 'import':
-        out = wd.import_workdir(
-            _need(_SOURCE, command), workdir, dtype=_DTYPE.value, scan_layers=_SCAN.value
-        )
-    elif command == 'early_exit':
-        out = wd.early_exit_workdir(workdir, _need(_OUT, command), _need(_LAYERS, command))
-    else:
-        out = wd.export_workdir(workdir, _need(_OUT, command))
+    try:
+        if command == 'import':
+            out = wd.import_workdir(
+                _need(_SOURCE, command), workdir, dtype=_DTYPE.value, scan_layers=_SCAN.value
+            )
+        elif command == 'early_exit':
+            out = wd.early_exit_workdir(workdir, _need(_OUT, command), _need(_LAYERS, command))
+        else:
+            out = wd.export_workdir(workdir, _need(_OUT, command))
+    except Exception as e:
+        if not errors.is_user_error(e, _PACKAGE_DIR):
+            raise
+        if _VERBOSE.value or os.environ.get(errors.TRACEBACK_ENV) == '1':
+            traceback.print_exception(e)
+        sys.stderr.write(f'FATAL {errors.one_line(e)}\n')
+        sys.exit(errors.USER_ERROR_EXIT_CODE)
     print(json.dumps(out, indent=2), flush=True)
 
 

@@ -41,31 +41,42 @@ SUPPORTED_ROPE_TYPES = ('default', 'llama3')
 _DTYPES = {'float32': 'float32', 'bfloat16': 'bfloat16', 'float16': 'float16'}
 
 
-def config_from_hf(hf_config: dict, *, dtype: str | None = None) -> TransformerConfig:
+REQUIRED_KEYS = (
+    'vocab_size',
+    'hidden_size',
+    'num_hidden_layers',
+    'num_attention_heads',
+    'intermediate_size',
+)
+
+
+def config_from_hf(
+    hf_config: dict, *, dtype: str | None = None, where: str = 'config.json'
+) -> TransformerConfig:
     """TransformerConfig from a Llama `config.json` dict; ValueError for what specjax lacks.
 
     dtype (compute and storage) defaults to the checkpoint's `torch_dtype`/`dtype`, else float32.
+    where names the dict in errors (e.g. 'config.json at /path/config.json'); a key of
+    REQUIRED_KEYS absent or null raises "<where> lacks required key <key>".
     """
     c = dict(hf_config)
-    _check_architecture(c)
+    _check_architecture(c, where)
     for flag in ('attention_bias', 'mlp_bias'):
         if c.get(flag):
-            raise ValueError(f'config.json sets {flag}=true; specjax models have no biases')
+            raise ValueError(f'{where} sets {flag}=true; specjax models have no biases')
     act = c.get('hidden_act', 'silu')
     if act != 'silu':
-        raise ValueError(f'config.json hidden_act={act!r} is not supported (SwiGLU needs silu)')
+        raise ValueError(f'{where} hidden_act={act!r} is not supported (SwiGLU needs silu)')
     if c.get('pretraining_tp', 1) not in (1, None):
-        raise ValueError(f'config.json pretraining_tp={c["pretraining_tp"]!r} is not supported')
-    for key in ('vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads'):
-        if key not in c:
-            raise ValueError(f'config.json has no {key!r}')
-    theta, scaling = _rope_from_hf(c)
+        raise ValueError(f'{where} pretraining_tp={c["pretraining_tp"]!r} is not supported')
+    for key in REQUIRED_KEYS:
+        if c.get(key) is None:
+            raise ValueError(f'{where} lacks required key {key}')
+    theta, scaling = _rope_from_hf(c, where)
     if dtype is None:
         stored = c.get('dtype') or c.get('torch_dtype') or 'float32'
         if stored not in _DTYPES:
-            raise ValueError(
-                f'config.json dtype={stored!r} is not supported; one of {sorted(_DTYPES)}'
-            )
+            raise ValueError(f'{where} dtype={stored!r} is not supported; one of {sorted(_DTYPES)}')
         dtype = stored
     return TransformerConfig(
         vocab_size=c['vocab_size'],
@@ -85,31 +96,31 @@ def config_from_hf(hf_config: dict, *, dtype: str | None = None) -> TransformerC
     )
 
 
-def _check_architecture(c: dict) -> None:
+def _check_architecture(c: dict, where: str) -> None:
     archs = c.get('architectures') or []
     bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
     model_type = c.get('model_type', 'llama')
     if bad or model_type not in SUPPORTED_MODEL_TYPES:
         what = f'architectures={archs!r}' if bad else f'model_type={model_type!r}'
         raise ValueError(
-            f'config.json {what} is not supported; specjax imports '
+            f'{where} {what} is not supported; specjax imports '
             f'{", ".join(SUPPORTED_ARCHITECTURES)} (model_type {SUPPORTED_MODEL_TYPES})'
         )
 
 
-def _rope_from_hf(c: dict) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(c: dict, where: str) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from transformers 4's rope_theta/rope_scaling or 5's rope_parameters."""
     params = dict(c.get('rope_parameters') or c.get('rope_scaling') or {})
     theta = params.get('rope_theta') or c.get('rope_theta') or 10000.0
     rope_type = params.get('rope_type', params.get('type', 'default'))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f'config.json rope scaling rope_type={rope_type!r} is not supported; '
+            f'{where} rope scaling rope_type={rope_type!r} is not supported; '
             f'supported: {SUPPORTED_ROPE_TYPES}'
         )
     if params.get('partial_rotary_factor', 1.0) != 1.0:
         raise ValueError(
-            f'config.json partial_rotary_factor={params["partial_rotary_factor"]!r} '
+            f'{where} partial_rotary_factor={params["partial_rotary_factor"]!r} '
             'is not supported (rotary embeddings cover the whole head)'
         )
     if rope_type == 'default':
@@ -125,7 +136,7 @@ def _rope_from_hf(c: dict) -> tuple[float, RopeScaling | None]:
         if k not in params
     ]
     if missing:
-        raise ValueError(f'config.json llama3 rope scaling lacks {missing}')
+        raise ValueError(f'{where} llama3 rope scaling lacks {missing}')
     scaling = RopeScaling(
         factor=float(params['factor']),
         low_freq_factor=float(params['low_freq_factor']),

@@ -1,7 +1,8 @@
 """GGUF (llama.cpp) files in: Llama-architecture weights, dequantised, with their tokenizer.
 
-`import_gguf(path)` reads the file with the `gguf` package, checks everything it needs before
-dequantising anything (architecture, quantisation types, tensor names and shapes), maps
+`import_gguf(path)` checks that every tensor's bytes lie inside the file
+(`specjax.interop.integrity`), reads the file with the `gguf` package, checks everything it needs
+before dequantising anything (architecture, quantisation types, tensor names and shapes), maps
 GGUF metadata to a Hugging Face Llama config and GGUF tensor names to Hugging Face names, and
 builds the model through `specjax.interop.convert` (the one HF <-> specjax mapping).
 
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from specjax.data.hf_tokenizer import HuggingFaceTokenizer
+from specjax.interop.errors import CorruptModelFileError
+from specjax.interop.integrity import check_finite, check_gguf
 
 SUPPORTED_ARCHITECTURES = ('llama',)
 SUPPORTED_TYPES = ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q4_1', 'Q4_K', 'Q5_K', 'Q6_K')
@@ -165,8 +168,9 @@ def _check_tensors(tensors, cfg) -> None:
             )
 
 
-def _tensor_getter(tensors, hf_cfg: dict):
-    """get_tensor(hf_name) -> float32 numpy array in HF layout (dequantised, q/k un-permuted)."""
+def _tensor_getter(path: str, tensors, hf_cfg: dict):
+    """get_tensor(hf_name) -> float32 numpy array in HF layout (dequantised, q/k un-permuted);
+    CorruptModelFileError for a tensor holding NaN or Inf."""
     from gguf import quants
 
     by_hf = {hf_name(t.name): t for t in tensors}
@@ -178,6 +182,7 @@ def _tensor_getter(tensors, hf_cfg: dict):
         if w.size != int(np.prod(shape)):
             raise ValueError(f'GGUF tensor {t.name!r}: {w.size} values for shape {shape}')
         w = np.asarray(w, np.float32).reshape(shape)
+        check_finite(path, t.name, w)
         if name.endswith('q_proj.weight'):
             w = unpermute_rows(w, hf_cfg['num_attention_heads'])
         elif name.endswith('k_proj.weight'):
@@ -191,7 +196,9 @@ def import_gguf(path: str, *, dtype: str | None = None):
     """A Llama GGUF file -> (Transformer, HuggingFaceTokenizer).
 
     dtype: compute and parameter dtype of the model (default float32; weights are dequantised
-    to float32 first). Errors (ValueError) name the offending key, tensor or type.
+    to float32 first). Errors (ValueError) name the offending key, tensor or type; a truncated
+    or malformed file raises CorruptModelFileError (a ValueError) naming the file and tensor
+    before any tensor is read.
     """
     import gguf
 
@@ -200,11 +207,15 @@ def import_gguf(path: str, *, dtype: str | None = None):
     path = os.path.expanduser(str(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f'no GGUF file at {path!r}')
-    reader = gguf.GGUFReader(path)
-    meta = read_metadata(reader)
+    check_gguf(path)  # every tensor's bytes inside the file, before the reader maps them
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = read_metadata(reader)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+        raise CorruptModelFileError(path, f'the GGUF reader failed: {type(e).__name__}: {e}') from e
     names = {t.name for t in reader.tensors}
     hf_cfg = hf_config_from_metadata(meta, names)
-    cfg = convert.config_from_hf(hf_cfg, dtype=dtype or 'float32')
+    cfg = convert.config_from_hf(hf_cfg, dtype=dtype or 'float32', where=f'GGUF file {path}')
     _check_tensors(reader.tensors, cfg)
     tokenizer = HuggingFaceTokenizer.from_gguf_metadata(meta)
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -212,5 +223,5 @@ def import_gguf(path: str, *, dtype: str | None = None):
             f'GGUF tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is '
             f'{cfg.vocab_size}'
         )
-    model = convert.model_from_tensors(cfg, _tensor_getter(reader.tensors, hf_cfg))
+    model = convert.model_from_tensors(cfg, _tensor_getter(path, reader.tensors, hf_cfg))
     return model, tokenizer

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from specjax.interop.convert import (
@@ -24,6 +24,8 @@ from specjax.interop.convert import (
     tensor_specs,
     tensors_from_model,
 )
+from specjax.interop.errors import CorruptModelFileError
+from specjax.interop.integrity import check_finite, check_safetensors
 from specjax.models import Transformer
 
 INDEX = 'model.safetensors.index.json'
@@ -36,8 +38,15 @@ _IGNORED = re.compile(r'(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_fre
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a HF directory; ValueError for pickle-only, FileNotFoundError."""
     if (directory / INDEX).is_file():
-        index = json.loads((directory / INDEX).read_text())
-        return [directory / name for name in sorted(set(index['weight_map'].values()))]
+        index = read_json(directory / INDEX)
+        weight_map = index.get('weight_map') if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CorruptModelFileError(directory / INDEX, 'it has no "weight_map" object')
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f'{directory / INDEX} names shard(s) {absent} that are absent')
+        return files
     if (directory / WEIGHTS).is_file():
         return [directory / WEIGHTS]
     found = sorted(directory.glob('*.safetensors'))
@@ -57,18 +66,31 @@ def import_llama(path: str | os.PathLike, *, dtype: str | None = None) -> Transf
     """A Transformer from a Llama-architecture HF directory (config.json + safetensors).
 
     dtype (compute and parameter storage) defaults to the checkpoint's own dtype. Unsupported
-    configurations, missing, misshapen or unexpected tensors raise ValueError naming them.
+    configurations, missing config keys, missing, misshapen or unexpected tensors raise
+    ValueError naming them (and config.json's path); a config.json, index or safetensors file
+    that is truncated or malformed raises CorruptModelFileError (a ValueError) naming the file
+    and the tensor, before any tensor is read; so does a tensor holding NaN or Inf.
     """
     directory = Path(path)
-    if not (directory / 'config.json').is_file():
+    config = directory / 'config.json'
+    if not config.is_file():
         raise FileNotFoundError(f'{directory} has no config.json (a Hugging Face model directory)')
-    cfg = config_from_hf(json.loads((directory / 'config.json').read_text()), dtype=dtype)
+    hf_config = read_json(config)
+    if not isinstance(hf_config, dict):
+        raise CorruptModelFileError(config, 'it is not a JSON object')
+    cfg = config_from_hf(hf_config, dtype=dtype, where=f'config.json at {config}')
     files = weight_files(directory)
+    for file in files:
+        check_safetensors(file)  # every tensor's bytes inside the file, before any is read
     with contextlib.ExitStack() as stack:
-        where = {}  # tensor name -> open safetensors file
+        where = {}  # tensor name -> (file, open safetensors file)
         for file in files:
-            handle = stack.enter_context(safe_open(file, framework='np'))
-            where.update(dict.fromkeys(handle.keys(), handle))
+            try:
+                handle = stack.enter_context(safe_open(file, framework='np'))
+                names = list(handle.keys())
+            except SafetensorError as e:
+                raise CorruptModelFileError(file, f'safetensors cannot open it: {e}') from e
+            where.update(dict.fromkeys(names, (file, handle)))
         expected = {spec.name for spec in tensor_specs(cfg)}
         unexpected = sorted(
             n for n in set(where) - expected if not _IGNORED.fullmatch(n) and n != 'lm_head.weight'
@@ -80,9 +102,25 @@ def import_llama(path: str | os.PathLike, *, dtype: str | None = None) -> Transf
             )
 
         def get_tensor(name):
-            return where[name].get_tensor(name)  # KeyError when absent
+            file, handle = where[name]  # KeyError when absent
+            try:
+                w = handle.get_tensor(name)
+            except SafetensorError as e:
+                raise CorruptModelFileError(
+                    file, f'safetensors cannot read it: {e}', tensor=name
+                ) from e
+            check_finite(file, name, w)
+            return w
 
         return model_from_tensors(cfg, get_tensor)
+
+
+def read_json(path: Path):
+    """The parsed JSON file; CorruptModelFileError naming it if it is not valid JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptModelFileError(path, f'it is not valid JSON ({e})') from e
 
 
 def export_llama(model: Transformer, path: str | os.PathLike, tokenizer=None) -> Path:

