@@ -42,7 +42,8 @@ the target with reduced-vocabulary drafts: configs/quickstart_smollm2.py):
   tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU;
          docs/quickstart.md has the measured, shared-machine times).
 Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400
-(co-training follows: it continues the target's schedule from step target steps - draft steps).
+(co-training follows: it continues the target's schedule from step target steps - draft steps);
+--config.seed=N sets every stage's seed.
 """
 
 import os
@@ -176,7 +177,7 @@ def _distill(size: str, p: dict, ce_only: bool) -> ml_collections.ConfigDict:
 def get_config(arg=None) -> ml_collections.ConfigDict:
     preset, size = _parse(arg)
     if preset == 'smollm2':  # SmolLM2-135M as the target: configs/quickstart_smollm2.py
-        return _load('quickstart_smollm2', f'size={size}')
+        return _share_seed(_load('quickstart_smollm2', f'size={size}'))
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'  # specjax.main dispatches on this
@@ -187,6 +188,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     # training stages side by side in child processes (the drafts and co-training need only the
     # target); timing stages always run alone. 0 = auto: 2 on a multi-core CPU, else 1
     c.parallel_stages = 0
+    c.seed = 0  # every stage's seed (init, data order, sampling): --config.seed=N sets them all
 
     c.data = _load('pretrain', 'size=tiny').data  # shared by every stage (seq_len per stage)
     c.data.vocab_size = p['vocab_size']
@@ -248,4 +250,15 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)  # k grid of the accelerator model
     c.estimates = ml_collections.ConfigDict(_ESTIMATES[size])  # seconds per stage, for the ETA
+    return _share_seed(c)
+
+
+def _share_seed(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Every stage section's `seed` becomes a reference to the top-level `seed` (default 0)."""
+    if 'seed' not in c:
+        c.seed = 0
+    for name in list(c.keys()):
+        section = c[name]
+        if isinstance(section, ml_collections.ConfigDict) and 'seed' in section:
+            section.seed = c.get_ref('seed')
     return c

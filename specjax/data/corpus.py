@@ -7,6 +7,7 @@ dataset's metadata and checked again on every load (`prepare_stdlib`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -78,6 +79,13 @@ class SpecjaxStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             license='PSF-2.0',
         )
 
+    def _log_download_bytes(self) -> None:
+        """Silenced: TFDS prints 'Downloading and preparing dataset Unknown size ...' although
+        nothing downloads here; prepare_stdlib logs one line instead."""
+
+    def _log_download_done(self) -> None:
+        """Silenced, as _log_download_bytes."""
+
     def _split_generators(self, dl_manager):
         del dl_manager
         cfg = self.builder_config
@@ -105,16 +113,51 @@ def stdlib_builder(data_dir: str, docs=None) -> SpecjaxStdlib:
     )
 
 
+class _DropTfdsNotices(logging.Filter):
+    """Drops TFDS's info and warning lines (errors still show)."""
+
+    def filter(self, record):
+        return record.levelno >= logging.ERROR or '/tensorflow_datasets/' not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_tfds():
+    """While preparing: no TFDS progress bars, notices ('Variant folder ... has no
+    dataset_info.json' for the folder being written) or 'Downloading' banners."""
+    from tensorflow_datasets.core.utils import tqdm_utils
+
+    shown = getattr(tqdm_utils, '_active', True)
+    tfds.display_progress_bar(False)
+    quiet, absl_logger = _DropTfdsNotices(), logging.getLogger('absl')
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
+        tfds.display_progress_bar(shown)
+
+
 def prepare_stdlib(data_dir: str, docs=None) -> SpecjaxStdlib:
     """Prepares (once) and returns the builder; verifies the stored manifest hash on load.
 
     `docs` (default: enumerate this interpreter's stdlib) is only for tests.
     """
+    with _quiet_tfds():
+        return _prepare_stdlib(data_dir, docs)
+
+
+def _prepare_stdlib(data_dir: str, docs) -> SpecjaxStdlib:
     builder = stdlib_builder(data_dir, docs)
     expected = builder.builder_config.manifest_hash
     if not builder.is_prepared():
-        logging.info('Preparing %s into %s', NAME, builder.data_dir)
         docs = builder.builder_config.documents
+        logging.info(
+            "Preparing %s from %d documents of this interpreter's stdlib into %s (once; "
+            'nothing downloads)',
+            NAME,
+            len(docs),
+            builder.data_dir,
+        )
         try:
             builder.download_and_prepare(file_format=FILE_FORMAT)
         except Exception:  # A concurrent preparer may have won the final rename.

@@ -5,8 +5,12 @@ measurement in <workdir>/<stage>/ with its own config section of the quickstart 
 (configs/quickstart.py). A stage is finished when its results file exists; a stage with a
 checkpoint but no results resumes (the modes resume from their checkpoints). Each stage's config
 is recorded in <workdir>/<stage>/quickstart_stage.json before it starts: a rerun with another
-config for a started stage is refused before anything runs, so nothing is overwritten.
-<workdir>/quickstart.json records the seconds each stage took (the report's run times).
+config for a started stage is refused before anything runs, so nothing is overwritten; the
+refusal names every field the user changed, as the quickstart config spells it
+(specjax.quickstart.drift). <workdir>/quickstart.json records the seconds each stage took (the
+report's run times). SIGTERM stops the run (specjax.main exits 42): a training stage commits its
+checkpoint, a stage running here outside a training loop unwinds (specjax.errors.StopRequested),
+and the message says what the stopped stage saved (a committed checkpoint step, or nothing).
 
 Entry point: `run(config, workdir)` (mode 'quickstart').
 """
@@ -21,8 +25,8 @@ import os
 
 import ml_collections
 
-from specjax import jsonio
-from specjax.quickstart import stage_runner
+from specjax import errors, jsonio
+from specjax.quickstart import drift, stage_runner
 from specjax.quickstart.stages import STAGE_NAMES, STAGES, Stage  # noqa: F401 (STAGE_NAMES re-exported)
 
 STAGE_FILE = 'quickstart_stage.json'
@@ -47,7 +51,7 @@ def stages_of(config) -> tuple[Stage, ...]:
     return STAGES
 
 
-class StageError(ValueError):
+class StageError(errors.SpecjaxError, ValueError):
     """A stage cannot run: prerequisite missing or the workdir holds another config's results."""
 
 
@@ -71,14 +75,6 @@ def stage_config(config, stage: Stage):
 
 def _identity(cfg) -> dict:
     return json.loads(json.dumps(jsonio.jsonable(cfg.to_dict()), sort_keys=True))
-
-
-def _first_difference(saved, current) -> str | None:
-    diff = jsonio.first_difference(saved, current)
-    if diff is None:
-        return None
-    path, old, new = diff
-    return f'{path[1:]}: {old!r} in the workdir, {new!r} now'
 
 
 def selected(config) -> list[Stage]:
@@ -105,7 +101,7 @@ def check_workdir(config, workdir: str, stages: list[Stage]) -> dict[str, bool]:
 
     Returns stage name -> finished. Runs before any stage, so a refused run writes nothing.
     """
-    done = {}
+    done, recorded = {}, []
     for stage in stages_of(config):
         wd = stage_dir(workdir, stage)
         done[stage.name] = os.path.exists(os.path.join(wd, stage.results))
@@ -114,12 +110,10 @@ def check_workdir(config, workdir: str, stages: list[Stage]) -> dict[str, bool]:
             continue
         with open(record) as f:
             saved = json.load(f)['config']
-        diff = _first_difference(saved, _identity(stage_config(config, stage)))
-        if diff:
-            raise StageError(
-                f'{workdir} holds stage {stage.name!r} of a different config ({diff}): use a '
-                'new --workdir, or rerun with the config that made it'
-            )
+        recorded.append((stage, saved, _identity(stage_config(config, stage))))
+    refused = drift.refusal(config, workdir, recorded)  # every changed field, as the user set it
+    if refused:
+        raise StageError(refused)
     chosen = {s.name for s in stages}
     for stage in stages:
         for pre in stage.prereqs:
@@ -164,7 +158,10 @@ def run(config, workdir: str) -> dict:
     progress = stage_runner.Progress(todo, config.estimates, n_workers)
     before = stage_runner.read_run(workdir).get('total_seconds', 0.0)  # earlier invocations
 
+    started = []  # stages in the order they started (the last unfinished one runs here)
+
     def prepare(stage):
+        started.append(stage)
         cfg, wd = stage_config(config, stage), stage_dir(workdir, stage)
         os.makedirs(wd, exist_ok=True)
         if stage.name == 'report':  # the report states the time from start to report
@@ -183,8 +180,8 @@ def run(config, workdir: str) -> dict:
             )
         if not os.path.exists(os.path.join(wd, stage.results)):
             print(
-                f'[quickstart] stage {stage.name} stopped before finishing (preempted: its '
-                f'checkpoint is in {wd}); rerun the same command to resume',
+                f'[quickstart] stage {stage.name} stopped before finishing: '
+                f'{stage_runner.saved_text(wd)}',
                 flush=True,
             )
             outcome[stage.name] = 'preempted'
@@ -193,7 +190,15 @@ def run(config, workdir: str) -> dict:
         outcome[stage.name] = 'ran'
         return True
 
-    stage_runner.run_pool(workdir, todo, prepare, finished, progress, n_workers)
+    try:
+        stage_runner.run_pool(workdir, todo, prepare, finished, progress, n_workers)
+    except errors.StopRequested:  # SIGTERM to a stage running here outside a training loop
+        stage = next((s for s in reversed(started) if s.name not in outcome), None)
+        name, saved = 'start-up', 'nothing of the next stage was saved'
+        if stage is not None:
+            name, saved = stage.name, stage_runner.saved_text(stage_dir(workdir, stage))
+        print(f'[quickstart] stopped by SIGTERM during {name}: {saved}', flush=True)
+        outcome[name] = 'preempted'
     if 'preempted' not in outcome.values():
         print(f'[quickstart] report: {os.path.join(workdir, "report.md")}', flush=True)
     return outcome

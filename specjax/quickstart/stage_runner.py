@@ -66,6 +66,37 @@ def record_run(workdir, name, seconds, cpu_seconds, beside=(), total=None) -> No
     jsonio.write_json(os.path.join(workdir, RUN_FILE), record)
 
 
+def committed_steps(workdir) -> list[int]:
+    """The checkpoint steps orbax has committed in <workdir>/checkpoints, ascending (a step's
+    folder is renamed to its bare number only once written; its metadata file is checked too)."""
+    from specjax.checkpoint import CHECKPOINT_DIR
+
+    root = os.path.join(workdir, CHECKPOINT_DIR)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    done = (n for n in names if n.isdigit())
+    return sorted(int(n) for n in done if os.path.isfile(os.path.join(root, n, _STEP_METADATA)))
+
+
+_STEP_METADATA = '_CHECKPOINT_METADATA'  # written by orbax into every committed step
+
+
+def saved_text(wd) -> str:
+    """What a stopped stage left in its workdir `wd`, and what a rerun does with it."""
+    steps = committed_steps(wd)
+    if steps:
+        return (
+            f'checkpoint step {steps[-1]} is committed in {wd}: rerun the same command to resume '
+            'from it'
+        )
+    return (
+        f'nothing of it was saved (no committed checkpoint in {wd}): rerun the same command to '
+        'resume; this stage starts over'
+    )
+
+
 def enable_cache(path: str) -> None:
     """Turns on JAX's persistent compilation cache in `path` ('' = off)."""
     if path:

@@ -12,38 +12,41 @@ failing point is logged and the sweep goes on; prerequisites must succeed. After
 DIR/summary.{md,csv,json} are rewritten, plots go to DIR/plots/ at the end, and the call raises
 SweepFailed (after writing them) if any point failed.
 
-Processes: the sweep holds DIR's workdir lock (and each point its own). Each point runs in its
-own process group (start_new_session) with SPECJAX_RUNNER_PID in its environment, which makes
-specjax.main ask Linux for SIGTERM when the runner dies (workdir.die_with_runner:
-prctl(PR_SET_PDEATHSIG)), so even `kill -9` of the runner leaves no point behind. SIGTERM or
-SIGINT to the runner is forwarded to the running point's group (a second one sends SIGKILL); the
-point is marked 'interrupted' and the runner stops: on SIGTERM it returns {'preempted': True}
-(specjax.main then exits with PREEMPTED_EXIT_CODE), on SIGINT it raises KeyboardInterrupt. A
-point found 'running' on restart whose runner is gone is reported and run again; its workdir
-resumes from its own checkpoints.
+Processes (specjax.sweeps.processes, specjax.sweeps.lifetime): the sweep holds DIR's workdir
+lock (and each point its own). Each point runs in its own process group with SPECJAX_RUNNER_PID
+in its environment, which makes specjax.main ask Linux to SIGKILL it when the runner dies
+(prctl(PR_SET_PDEATHSIG)), so even `kill -9` of the runner leaves no point behind. SIGTERM or
+SIGINT to the runner is forwarded to the running point's group (killed after
+processes.STOP_GRACE_S, or at once on a second signal); the point is marked 'interrupted' and
+the runner stops: on SIGTERM it returns {'preempted': True} (specjax.main then exits with
+PREEMPTED_EXIT_CODE), on SIGINT it raises KeyboardInterrupt. A status never reads 'running'
+once the runner that wrote it has ended (spec.read_status); on restart such a point is marked
+'interrupted' first, reported, and run again: its workdir resumes from its own checkpoints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
 import resource
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 
 import ml_collections
 
 from specjax import jsonio
 from specjax import workdir as workdir_lib
-from specjax.sweeps import aggregate
+from specjax.sweeps import aggregate, lifetime
+from specjax.sweeps.processes import (  # noqa: F401 (Launch, Launcher re-exported)
+    Children,
+    Forwarding,
+    Launch,
+    Launcher,
+    subprocess_launcher,
+)
 from specjax.sweeps.spec import (
     LOG_FILE,
     RESULTS_FILE,
@@ -61,21 +64,6 @@ from specjax.sweeps.spec import (
 
 class SweepFailed(RuntimeError):
     """Raised at the end of a sweep in which some points failed (summary is written first)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """Everything a launcher needs for one run."""
-
-    run: Run
-    workdir: str  # the run's own workdir
-    argv: tuple[str, ...]
-    log_path: str
-    env: dict
-    timeout_s: float | None
-
-
-Launcher = Callable[[Launch], int]
 
 
 def default_sweep_config() -> ml_collections.ConfigDict:
@@ -113,76 +101,6 @@ def command(run: Run, workdir: str, entry: tuple[str, ...] = ENTRY) -> tuple:
         f'--workdir={workdir}',
         *overrides,
     )
-
-
-class _Children:
-    """The running point's process, for signal forwarding; what the runner was asked to do."""
-
-    process: subprocess.Popen | None = None
-    stop_signal: int | None = None
-
-
-def _kill_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def subprocess_launcher(launch: Launch) -> int:
-    """Runs launch.argv in its own process group, output appended to launch.log_path.
-
-    Returns the exit status (negative: killed by that signal). On timeout the whole group is
-    killed.
-    """
-    with open(launch.log_path, 'a') as log:
-        process = subprocess.Popen(
-            launch.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=launch.env,
-            start_new_session=True,
-        )
-        _Children.process = process
-        try:
-            return process.wait(timeout=launch.timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(process, signal.SIGKILL)
-            process.wait()
-            log.write(f'\n[sweep] killed after {launch.timeout_s} s (point_timeout_s)\n')
-            return -9
-        finally:
-            if process.poll() is None:  # the runner is unwinding (an exception): take it along
-                _kill_group(process, signal.SIGKILL)
-                process.wait()
-            _Children.process = None
-
-
-def _forward(signum, frame):
-    """SIGTERM / SIGINT handler of the runner: pass it to the point's group (twice: SIGKILL)."""
-    again = _Children.stop_signal is not None
-    _Children.stop_signal = _Children.stop_signal or signum
-    process = _Children.process
-    if process is not None:
-        _kill_group(process, signal.SIGKILL if again else signum)
-    os.write(2, f'[sweep] got signal {signum}: stopping after the running point\n'.encode())
-
-
-class _Forwarding:
-    """Installs _forward for SIGTERM and SIGINT while the sweep runs (main thread only)."""
-
-    def __enter__(self):
-        _Children.stop_signal = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, _forward)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def is_complete(workdir: str, run: Run) -> bool:
@@ -252,15 +170,8 @@ def execute(plan: SweepPlan, run: Run, launcher: Launcher, env: dict, timeout_s,
     if is_complete(wd, run):
         print(f'[sweep] {run.kind} {run.name}: finished earlier, skipped', flush=True)
         return True
-    previous = read_status(wd) or {}
-    if previous.get('status') == 'running':
-        runner = previous.get('runner', {})
-        print(
-            f'[sweep] {run.kind} {run.name}: left running by runner pid {runner.get("pid")} on '
-            f'{runner.get("host")!r} (started {previous.get("started")}), which is gone; '
-            'running it again (it resumes from its checkpoints)',
-            flush=True,
-        )
+    if Children.stop_signal is not None:
+        return False  # a stop was asked for: start nothing more
     os.makedirs(wd, exist_ok=True)
     argv = command(run, wd, entry)
     log_path = os.path.join(wd, LOG_FILE)
@@ -275,7 +186,7 @@ def execute(plan: SweepPlan, run: Run, launcher: Launcher, env: dict, timeout_s,
         'log': LOG_FILE,
         'status': 'running',
         'started': _now(),
-        'runner': {'host': socket.gethostname(), 'pid': os.getpid()},
+        'runner': lifetime.runner_identity(),
     }
     _write_json(os.path.join(wd, STATUS_FILE), record)
     with open(log_path, 'a') as log:
@@ -289,9 +200,9 @@ def execute(plan: SweepPlan, run: Run, launcher: Launcher, env: dict, timeout_s,
     record['finished'] = _now()
     results_path = os.path.join(wd, RESULTS_FILE)
     error = None
-    if _Children.stop_signal is not None and returncode != 0:
+    if Children.stop_signal is not None and returncode != 0:
         record['status'] = 'interrupted'
-        record['error'] = f'runner got signal {_Children.stop_signal}; exit status {returncode}'
+        record['error'] = f'runner got signal {Children.stop_signal}; exit status {returncode}'
         _write_json(os.path.join(wd, STATUS_FILE), record)
         print(f'[sweep] {run.kind} {run.name}: interrupted ({record["error"]})', flush=True)
         return False
@@ -346,13 +257,13 @@ def run(
         return {}
     launcher = launcher or subprocess_launcher
     os.makedirs(plan.workdir, exist_ok=True)
-    with workdir_lib.opened(plan.workdir, 'sweep', results=()), _Forwarding():
+    with workdir_lib.opened(plan.workdir, 'sweep', results=()), Forwarding():
         return _run(plan, sweep, moved, launcher, entry)
 
 
 def _stopped(plan, sweep) -> dict | None:
     """After a forwarded signal: the partial summary; SIGINT re-raises KeyboardInterrupt."""
-    sig = _Children.stop_signal
+    sig = Children.stop_signal
     if sig is None:
         return None
     summary = aggregate.write_summary(plan, sweep)
@@ -362,8 +273,32 @@ def _stopped(plan, sweep) -> dict | None:
     return dict(summary, preempted=True)
 
 
+def reclaim_abandoned(plan: SweepPlan) -> None:
+    """Marks 'interrupted' every run whose status still says 'running' (its runner is gone:
+    this process holds the sweep's lock) and says so; they run again and resume."""
+    for run in plan.prereqs + plan.points:
+        wd = point_dir(plan, run)
+        status = read_status(wd)
+        if not status or status.get('status') not in ('running', 'interrupted'):
+            continue
+        reported = not status.get('abandoned') or status.get('reclaimed')
+        if status['status'] == 'interrupted' and reported:
+            continue  # stopped by a signal, or already reported
+        runner = status.get('runner') or {}
+        print(
+            f'[sweep] {run.kind} {run.name}: left running by runner pid {runner.get("pid")} on '
+            f'{runner.get("host")!r} (started {status.get("started")}), which is gone; marked '
+            'interrupted, it runs again (it resumes from its checkpoints)',
+            flush=True,
+        )
+        error = status.get('error') or f'runner pid {runner.get("pid")} ended while it ran'
+        record = dict(status, status='interrupted', error=error, abandoned=True, reclaimed=_now())
+        _write_json(os.path.join(wd, STATUS_FILE), record)
+
+
 def _run(plan, sweep, moved, launcher, entry) -> dict:
     move_aside(plan, moved)
+    reclaim_abandoned(plan)
     env = _environment(plan, sweep)
     timeout_s = float(sweep.point_timeout_s) or None
     start = time.perf_counter()

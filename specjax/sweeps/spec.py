@@ -34,6 +34,7 @@ from typing import Any
 import ml_collections
 
 from specjax.config_files import load_config
+from specjax.sweeps import lifetime
 
 _NAME_RE = re.compile(r'^[A-Za-z0-9_.+-]+$')
 _REF_RE = re.compile(r'\$\{([^}]*)\}')
@@ -381,9 +382,10 @@ def point_dir(plan: SweepPlan, run: Run) -> str:
 
 
 def read_status(workdir: str) -> dict | None:
+    """sweep_status.json (None if absent); 'running' reads 'interrupted' once its runner ended."""
     try:
         with open(os.path.join(workdir, STATUS_FILE)) as f:
-            return json.load(f)
+            return lifetime.without_dead_runner(json.load(f))
     except (OSError, json.JSONDecodeError):
         return None
 
