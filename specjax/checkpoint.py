@@ -1,45 +1,53 @@
 """Checkpoints for every mode: one orbax CheckpointManager in <workdir>/checkpoints.
 
-A checkpoint at step s holds three items:
+A checkpoint at step s holds three items and the digest of their files (specjax_digest.json,
+committed with the step; specjax.checkpoint_integrity):
   state  the training state pytree (arrays; restored onto the target shardings you pass),
   data   the training data iterator's state (JSON), so a resumed run continues the same order,
   meta   JSON metadata: 'model_config', 'tokenizer', 'corpus', 'config', 'mode', 'step', plus the
          names of the identity fields ('identity') a resumed run must match.
 
 Nothing is overwritten: orbax refuses to write an existing step, and params are checked finite
-before every save, so the last good checkpoint survives a diverged run. Consumers (sampling,
-distill, spec_eval) call `load_model(workdir)`.
+before every save, so the last good checkpoint survives a diverged run. Every restore verifies
+the digest and that the float arrays read are finite (CorruptCheckpoint naming the step folder;
+a step saved before digests existed loads with a warning; $SPECJAX_VERIFY_CHECKPOINTS=0: off).
+Consumers (sampling, distill, spec_eval, export) call `load_model(workdir)`: it refuses a corrupt
+step. Training skips a step that cannot be read (a missing file, orbax errors) or is corrupt,
+with a warning naming it and why, resumes from the newest intact one and moves the skipped ones
+to <workdir>/checkpoints_broken/<step>.<time> (never deleted; the step numbers can be reused).
 
-A step that cannot be read (orbax metadata or an item missing, a truncated array file) is skipped
-with a warning naming the step and the reason, and the newest intact step is used instead; it is
-never deleted. A training run that resumes past broken steps moves them to
-<workdir>/checkpoints_broken/<step>.<time> (so the step numbers can be written again).
+A failed save raises CheckpointWriteError, one line naming the folder, the step and the cause
+('no space left on device' for ENOSPC), at the next `check_saves()` (training calls it after
+every step), `wait()`, `save()` or `close()`.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from flax import nnx
 
+from specjax import checkpoint_integrity as integrity
+from specjax import config_diff
 from specjax import workdir as workdir_lib
-from specjax.jsonio import first_difference, to_json
+from specjax.checkpoint_integrity import (  # noqa: F401 (re-exported)
+    BROKEN_DIR,
+    CheckpointWriteError,
+    CorruptCheckpoint,
+    check_finite,
+)
+from specjax.jsonio import to_json
 from specjax.workdir import ConfigMismatch
 
 CHECKPOINT_DIR = 'checkpoints'
-BROKEN_DIR = 'checkpoints_broken'
-# Files every committed step has (orbax's step metadata, then each item's own metadata).
 IMPORT_STEP = 0  # the one step of a workdir written by write_workdir (import, early exit)
-_REQUIRED_FILES = ('_CHECKPOINT_METADATA', 'state/_METADATA', 'data/metadata', 'meta/metadata')
 
 
 class NoIntactCheckpoint(FileNotFoundError):
@@ -51,37 +59,10 @@ def checkpoint_dir(workdir) -> str:
     return os.fspath(workdir_lib.path(workdir) / CHECKPOINT_DIR)
 
 
-def _all_finite(tree):
-    """Whether every float leaf is finite. Arrays spread over several processes are checked
-    shard by shard on the host (no cross-process program: each process checks its own shards)."""
-    if any(not getattr(x, 'is_fully_addressable', True) for x in jax.tree.leaves(tree)):
-        return all(
-            bool(np.isfinite(np.asarray(s.data)).all())
-            for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-            for s in x.addressable_shards
-        )
-    leaves = [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def check_finite(tree, what: str = 'params') -> None:
-    """Raises FloatingPointError naming the first non-finite leaf of `tree`."""
-    if bool(_all_finite(tree)):
-        return
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        inexact = jnp.issubdtype(leaf.dtype, jnp.inexact)
-        if inexact and not bool(jnp.all(jnp.isfinite(leaf))):
-            raise FloatingPointError(f'non-finite values in {what}{jax.tree_util.keystr(path)}')
-    raise FloatingPointError(f'non-finite values in {what}')
-
-
 class Checkpoints:
-    """Save / restore / inspect the checkpoints of one workdir."""
+    """Save / restore / inspect the checkpoints of one workdir. verify (default:
+    integrity.verification_enabled()): restores check digest and finiteness. Saves always use
+    orbax's async checkpointer (the digest commits with the step); async_save=False waits."""
 
     def __init__(
         self,
@@ -90,12 +71,24 @@ class Checkpoints:
         keep: int | None = None,
         async_save: bool = True,
         read_only: bool = False,
+        verify: bool | None = None,
     ):
         self.directory = checkpoint_dir(workdir)
+        self.verify = integrity.verification_enabled() if verify is None else bool(verify)
+        self._async = async_save
+        self._verified: set[int] = set()
+        self._saving: int | None = None  # the step whose async save has not been checked yet
+        self._failed = False  # a save error was raised already (close() does not repeat it)
         policy = ocp.checkpoint_managers.LatestN(keep) if keep else None
+        async_options = None
+        if not read_only:  # the digest is committed with the step (integrity.write_step_digest)
+            integrity.quiet_orphaned_write_callbacks()
+            digest = lambda: integrity.write_step_digest(self.directory, self._saving)  # noqa: E731
+            async_options = ocp.AsyncOptions(post_finalization_callback=digest)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=True,
+            async_options=async_options,
             read_only=read_only,
             create=not read_only,
         )
@@ -128,13 +121,12 @@ class Checkpoints:
                     f'checkpoint {self.directory} step {step} has no {key!r} metadata; it was not '
                     f'made by this mode (mode={meta.get("mode")!r}). Use a new --workdir.'
                 )
-            diff = first_difference(meta[key], to_json(value), key)
-            if diff:
-                field, saved, current = diff
+            diffs = config_diff.differences(meta[key], to_json(value), key)
+            if diffs:
                 raise ConfigMismatch(
-                    f'checkpoint mismatch in {self.directory} (step {step}): {field} is {saved!r} '
-                    f'in the checkpoint but {current!r} in this run. Use a new --workdir or the '
-                    'original settings.'
+                    f'checkpoint mismatch in {self.directory} (step {step}): '
+                    f'{config_diff.describe(diffs, "in the checkpoint", "in this run")}. Use a '
+                    'new --workdir or the original settings.'
                 )
 
     def save(
@@ -142,31 +134,48 @@ class Checkpoints:
     ) -> None:
         """Writes checkpoint `step` (async by default) if `finite` (default: state) is finite.
 
-        Raises FloatingPointError before writing anything if `finite` holds NaN/Inf, and
-        ValueError if `step` already exists (nothing is ever overwritten).
+        Raises FloatingPointError before writing anything if `finite` holds NaN/Inf, ValueError
+        if `step` already exists (nothing is ever overwritten), CheckpointWriteError if this or
+        the previous save failed.
         """
         check_finite(state if finite is None else finite)
         if step in self.manager.all_steps():
             raise ValueError(f'checkpoint step {step} already exists in {self.directory}')
+        self.wait()  # the previous save's error, if any, before starting another
         meta = dict(to_json(metadata), step=int(step))
-        saved = self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(to_json(data_state)),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        self._saving = int(step)
+        try:
+            saved = self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(to_json(data_state)),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+        except Exception as e:  # orbax / TensorStore raise many types for a failed write
+            self._failed = True
+            raise integrity.write_error(e, self.directory, step) from e
         if not saved:
             raise RuntimeError(f'orbax declined to save step {step} in {self.directory}')
+        if not self._async:
+            self.wait()
 
-    def restore(self, abstract_state, step: int | None = None):
+    def check_saves(self) -> None:
+        """CheckpointWriteError if the last async save has finished and failed (cheap)."""
+        if self._saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def restore(self, abstract_state, step: int | None = None, *, finite=None):
         """Returns (state, data_state, metadata) of `step` (default latest).
 
-        abstract_state: pytree of jax.ShapeDtypeStruct carrying the target shardings.
+        abstract_state: pytree of jax.ShapeDtypeStruct carrying the target shardings. Verifies
+        the step first and `finite(state)` (default: the whole state) after reading, unless
+        self.verify is off: CorruptCheckpoint naming the step folder otherwise.
         """
         step = self._step(step)
+        self.verify_step(step)
         out = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -175,22 +184,37 @@ class Checkpoints:
                 meta=ocp.args.JsonRestore(),
             ),
         )
+        self.check_restored(out['state'] if finite is None else finite(out['state']), step)
         return out['state'], out['data'], dict(out['meta'])
+
+    def step_path(self, step: int) -> str:
+        return os.fspath(epath.Path(self.directory) / str(step))
+
+    def verify_step(self, step: int) -> None:
+        """CorruptCheckpoint unless `step`'s files match its digest (no-op when verify is off;
+        a step without a digest passes with a warning; each step is hashed once)."""
+        if self.verify and step not in self._verified:
+            integrity.verify_step(self.step_path(step))
+            self._verified.add(step)
+
+    def check_restored(self, tree, step: int) -> None:
+        """CorruptCheckpoint if a float array of `tree` (restored from `step`) is not finite."""
+        if self.verify:
+            integrity.check_restored_finite(tree, self.step_path(step))
 
     def step_problem(self, step: int) -> str | None:
         """Why `step` is not a complete checkpoint (a missing file), or None if it looks whole."""
-        step_dir = epath.Path(self.directory) / str(step)
-        for name in _REQUIRED_FILES:
-            if not (step_dir / name).exists():
-                return f'{name} is missing'
-        return None
+        return integrity.missing_file(self.step_path(step))
 
-    def newest_readable(self, read: Callable[[int], Any], step: int | None = None):
+    def newest_readable(
+        self, read: Callable[[int], Any], step: int | None = None, *, refuse: tuple = ()
+    ):
         """(step, read(step)) for the newest step (<= `step` if given) that `read` can load.
 
-        A step with a missing file or whose read raises (except ConfigMismatch: identity and
-        config mismatches propagate) is skipped with a warning; skipped steps are recorded in
-        self.skipped as (step, reason). NoIntactCheckpoint if none can be read.
+        A step with a missing file or whose read raises is skipped with a warning, except for
+        ConfigMismatch (identity and config mismatches) and the exception types in `refuse`,
+        which propagate; skipped steps are recorded in self.skipped as (step, reason).
+        NoIntactCheckpoint if none can be read.
         """
         steps = sorted(self.all_steps(), reverse=True)
         if step is not None:
@@ -203,10 +227,10 @@ class Checkpoints:
             if reason is None:
                 try:
                     return s, read(s)
-                except ConfigMismatch:
+                except (ConfigMismatch, *refuse):
                     raise
                 except Exception as e:  # orbax/TensorStore raise many types for unreadable data
-                    reason = f'{type(e).__name__}: {_first_line(e)}'
+                    reason = f'{type(e).__name__}: {integrity.first_line(e)}'
             self.skipped.append((s, reason))
             logging.warning(
                 'checkpoint step %d in %s cannot be read (%s); it is left in place and the '
@@ -226,15 +250,7 @@ class Checkpoints:
 
         Process 0 moves, every process then waits for it and reloads its step list.
         """
-        stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-        dest_root = epath.Path(self.directory).parent / BROKEN_DIR
-        moved = []
-        for step in steps if jax.process_index() == 0 else ():
-            dest = dest_root / f'{step}.{stamp}'
-            dest_root.mkdir(parents=True, exist_ok=True)
-            (epath.Path(self.directory) / str(step)).rename(dest)
-            logging.warning('moved unreadable checkpoint step %d to %s (not deleted)', step, dest)
-            moved.append(os.fspath(dest))
+        moved = integrity.move_aside(self.directory, steps) if jax.process_index() == 0 else []
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -243,12 +259,26 @@ class Checkpoints:
         return moved
 
     def wait(self) -> None:
-        """Blocks until pending async saves are committed."""
-        self.manager.wait_until_finished()
+        """Blocks until pending async saves are committed; CheckpointWriteError if one failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._failed = True
+            raise integrity.write_error(e, self.directory, self._saving) from e
+        finally:
+            self._saving = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for pending saves (raising their error unless one was raised already) and
+        releases orbax's threads, whatever happened: no save thread outlives this call."""
+        try:
+            if self._failed:
+                with contextlib.suppress(Exception):
+                    self.manager.wait_until_finished()
+            else:
+                self.wait()
+        finally:
+            self.manager.close()
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -266,11 +296,6 @@ class Checkpoints:
                 f'no checkpoint step {step} in {self.directory}; have {self.all_steps()}'
             )
         return step
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ''
 
 
 def abstract_with_shardings(abstract, shardings):
@@ -297,6 +322,8 @@ def load_model(
     params_key / config_key select another model in the state (e.g. a co-trained draft).
     scan_layers converts to that block layout (None: as saved; see specjax.models.layout), so
     a workdir saved stacked loads unstacked and vice versa; metadata stays as saved.
+    The step is verified first (CorruptCheckpoint naming its folder: it is refused, never
+    skipped for an older one; checkpoint_integrity.verification_enabled() turns this off).
     """
     from specjax.models import Transformer, TransformerConfig
     from specjax.models.layout import to_layout
@@ -312,6 +339,7 @@ def load_model(
                 f'checkpoint step {step} in {ckpts.directory} has no {config_key!r}'
             )
         cfg = TransformerConfig.from_dict(meta[config_key])
+        ckpts.verify_step(step)
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract_model)
         if mesh is not None:
@@ -329,6 +357,7 @@ def load_model(
                 )
             ),
         )
+        ckpts.check_restored(out['state'][params_key], step)
         model = nnx.merge(graphdef, out['state'][params_key])
         if scan_layers is not None and scan_layers != cfg.scan_layers:
             model = to_layout(model, scan_layers)
@@ -342,7 +371,7 @@ def load_model(
 
     with Checkpoints(workdir, read_only=True) as ckpts:
         if step is None:
-            _, (model, meta) = ckpts.newest_readable(read)
+            _, (model, meta) = ckpts.newest_readable(read, refuse=(CorruptCheckpoint,))
         else:
             model, meta = read(ckpts._step(step))
     return model, meta

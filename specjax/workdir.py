@@ -6,7 +6,9 @@
   whose holder is gone is simply taken over (with a warning naming the old holder). Only
   process 0 of a multi-process run locks; re-entering from the same process is allowed.
 - `write_results(workdir, mode, results, config)`: results.json carries `mode`, the resolved
-  `config` and its `config_hash`; a results.json written by another mode is never replaced.
+  `config` and its `config_hash`; a results.json written by another mode is never replaced,
+  and one of the same mode is kept beside the new one (`keep_previous`: results.step<N>.json,
+  results.prev.json, numbered when taken). `write_kept` applies that rule to any file.
 - `config_changes(saved, current)`: the result-changing fields that differ between two configs;
   IGNORED_CONFIG_FIELDS lists the ones that do not change a result (logging, checkpoint
   cadence, the mesh, paths of inputs whose identity is checked separately); DEFAULT_VALUED_FIELDS
@@ -14,7 +16,7 @@
 - `resolve(workdir)` / `path(workdir)`: the one spelling of a workdir (str, pathlib.Path or
   epath.Path; a local path absolute with ~ expanded, a remote `gs://` URI kept) and its
   etils.epath.Path, through which every workdir file is read and written (so `gs://` works).
-- `die_with_runner()`: a sweep point asks the kernel for SIGTERM when its runner dies.
+- RUNNER_PID_ENV: the runner's pid, set for sweep points (specjax.sweeps.lifetime uses it).
 - PREEMPTED_EXIT_CODE: the exit status of a run that stopped on SIGTERM after committing its
   checkpoint (launchers restart on it).
 """
@@ -22,14 +24,12 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import errno
 import fcntl
 import hashlib
 import json
 import os
-import signal
 import socket
 import sys
 from collections.abc import Mapping
@@ -38,6 +38,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
+from specjax import errors
 from specjax.jsonio import to_json, write_text
 
 LOCK_FILE = '.lock'
@@ -45,7 +46,6 @@ RESULTS_FILE = 'results.json'
 PREEMPTED_EXIT_CODE = 42  # SIGTERM -> checkpoint committed -> exit 42; rerun to resume
 
 RUNNER_PID_ENV = 'SPECJAX_RUNNER_PID'  # set by the sweep runner for its points
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # Config fields that never change what a run computes, by dotted prefix. Everything else (seed,
 # steps, model, data, distillation settings, optimizer, eval sizes ...) is compared on resume.
@@ -71,11 +71,12 @@ DEFAULT_VALUED_FIELDS = {
 }
 
 
-class ConfigMismatch(ValueError):
-    """A run's settings differ from those recorded in its workdir (a checkpoint or results)."""
+class ConfigMismatch(errors.ConfigDriftError):
+    """A run's settings differ from those recorded in its workdir (a checkpoint or results); a
+    ValueError."""
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirBusy(errors.WorkdirLockedError):
     """Another live process holds the workdir's lock."""
 
 
@@ -199,20 +200,6 @@ def hold(workdir: str, mode: str):
         f.close()
 
 
-def die_with_runner() -> None:
-    """If $SPECJAX_RUNNER_PID names our parent: SIGTERM us when it dies (Linux prctl).
-
-    Done in the child at start-up rather than in a preexec_fn (fork in a threaded runner is
-    unsafe). If the runner is already gone (re-parented), exit at once.
-    """
-    runner = os.environ.get(RUNNER_PID_ENV)
-    if not runner or not sys.platform.startswith('linux'):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(runner):
-        sys.exit(f'sweep runner pid {runner} is gone; not starting')
-
-
 def _flatten(tree, prefix: str = '') -> dict[str, Any]:
     if isinstance(tree, dict):
         out = {}
@@ -320,20 +307,55 @@ def opened(workdir, mode: str, results: tuple[str, ...] = (RESULTS_FILE,)):
 def was_preempted(result) -> bool:
     """Whether a mode's result says it stopped early on SIGTERM (checkpoint committed): a
     results mapping with 'preempted' true, or an object whose .preempted is true."""
+    if getattr(result, 'preempted', None) is not None:
+        return bool(result.preempted)
     if isinstance(result, Mapping):
         return bool(result.get('preempted'))
-    return bool(getattr(result, 'preempted', False))
+    return False
 
 
-def write_results(
-    workdir: str, mode: str, results: dict, config, name: str = RESULTS_FILE, keep_previous=True
-):
+def keep_previous(workdir, name: str) -> str | None:
+    """Before <workdir>/<name> is replaced: copies the existing file beside it as
+    <stem>.step<N>.json (N its 'step' field) or <stem>.prev.json, numbered -2, -3, ... when that
+    name holds something else (a copy with the same content is not made twice); returns the
+    copy's path (None: no file). The one rule of every mode's results: a file is never replaced
+    without keeping the previous one."""
+    root = path(workdir)
+    file = root / name
+    if not file.exists():
+        return None
+    old = file.read_text()
+    try:
+        step = json.loads(old).get('step')
+    except (json.JSONDecodeError, AttributeError):
+        step = None
+    stem = name[: -len('.json')] if name.endswith('.json') else name
+    tag = f'step{step}' if isinstance(step, int) else 'prev'
+    backup, n = root / f'{stem}.{tag}.json', 1
+    while backup.exists():
+        if backup.read_text() == old:
+            return os.fspath(backup)
+        n += 1
+        backup = root / f'{stem}.{tag}-{n}.json'
+    write_text(backup, old)
+    logging.info('%s: the previous version is kept as %s', file, backup)
+    return os.fspath(backup)
+
+
+def write_kept(workdir, name: str, text: str) -> str:
+    """Writes <workdir>/<name> atomically after keep_previous; returns its path (a str)."""
+    keep_previous(workdir, name)
+    file = path(workdir) / name
+    write_text(file, text)
+    return os.fspath(file)
+
+
+def write_results(workdir: str, mode: str, results: dict, config, name: str = RESULTS_FILE):
     """Writes <workdir>/<name> with mode, config and config_hash; returns its path (a str).
 
     Process 0 only (other processes write nothing and get the same path back). Refuses
-    (ValueError) to replace a file another mode wrote. With keep_previous, an older file of this
-    mode is kept as <stem>.step<N>.json (N its 'step'), once, so a rerun never loses the first
-    result.
+    (ValueError) to replace a file another mode wrote; an older file of this mode is kept beside
+    it (keep_previous), so a rerun never loses an earlier result.
     """
     root = path(workdir)
     file = root / name
@@ -341,12 +363,5 @@ def write_results(
         return os.fspath(file)
     check_results_owner(root, mode, name)
     root.mkdir(parents=True, exist_ok=True)
-    if keep_previous and file.exists():
-        old_step = json.loads(file.read_text()).get('step', 'unknown')
-        stem = name[: -len('.json')] if name.endswith('.json') else name
-        backup = root / f'{stem}.step{old_step}.json'
-        if not backup.exists():
-            file.replace(backup)
     out = dict(results, mode=mode, config=to_json(config), config_hash=config_hash(config))
-    write_text(file, json.dumps(out, indent=2, sort_keys=True, default=str))
-    return os.fspath(file)
+    return write_kept(root, name, json.dumps(out, indent=2, sort_keys=True, default=str))

@@ -167,7 +167,7 @@ def test_resume_with_other_model_tokenizer_or_corpus_raises(finished_run, change
     change(config, data)
     data.train = iter(())  # the check must come before any batch is read or anything compiles
     before = sorted(p.name for p in workdir.rglob('*'))
-    with pytest.raises(ValueError, match=rf'{field} is .* in the checkpoint but .* in this run'):
+    with pytest.raises(ValueError, match=rf'{field}: .* in the checkpoint, .* in this run'):
         pretrain(config, str(workdir), data=data)
     assert sorted(p.name for p in workdir.rglob('*')) == before
 

@@ -252,7 +252,7 @@ def test_learns_markov_entropy(tmp_path):
     assert (tmp_path / 'results.json').exists() and (tmp_path / 'metrics.jsonl').exists()
 
 
-def test_main_rejects_unknown_mode_and_override():
+def test_main_rejects_unknown_mode_and_override(capsys):
     from specjax import main
 
     with pytest.raises(ValueError, match=r"config\.mode='nope'.*known"):
@@ -265,5 +265,8 @@ def test_main_rejects_unknown_mode_and_override():
         '--workdir=/tmp/x',
         '--config.train.stepz=1',
     ]
-    with pytest.raises(SystemExit, match='stepz'):  # in-process: unknown flag; CLI: unknown field
+    with pytest.raises(SystemExit) as exit_:  # in-process: unknown flag; CLI: unknown field
         main.parse_flags(argv)
+    assert exit_.value.code == 2  # a refusal: one FATAL line naming the field, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith('FATAL ') and 'stepz' in err and 'Traceback' not in err

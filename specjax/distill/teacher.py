@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from specjax import workdir as workdir_lib
-from specjax.checkpoint import Checkpoints, load_model
+from specjax.checkpoint import Checkpoints, CorruptCheckpoint, load_model
 from specjax.models import TransformerConfig, split
 
 
@@ -67,11 +67,14 @@ def teacher_step(workdir: str, step: int) -> int:
 
 
 def load_teacher(workdir: str, step: int, *, mesh, rules) -> Teacher:
-    """Loads the teacher's params onto `mesh`; clear ValueErrors for missing / mismatched ones."""
+    """Loads the teacher's params onto `mesh`; clear ValueErrors for missing / mismatched ones
+    (CorruptCheckpoint naming the step folder if its files or params are not what was saved)."""
     workdir = workdir_lib.resolve(workdir)
     step = teacher_step(workdir, step)
     try:
         model, meta = load_model(workdir, step, mesh=mesh, rules=rules)
+    except CorruptCheckpoint:  # verified on load: refused as it is, naming the step folder
+        raise
     except Exception as e:  # orbax: stored arrays do not fit the recorded model_config, ...
         raise ValueError(
             f'config.distill.teacher_workdir={workdir!r} step {step}: cannot load the teacher; '

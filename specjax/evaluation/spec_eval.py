@@ -12,15 +12,17 @@ distribution speculative decoding reproduces).
 
 Entry point: `run(config, workdir)` (mode 'spec_eval'); writes <workdir>/spec_eval.json and
 <workdir>/results.json, holding the workdir lock, and refuses (before loading anything) a workdir
-whose results were written by another mode (e.g. a training workdir). One sampling setting's
-points: specjax.evaluation.spec_eval_sampling; results.json and the printed table:
-specjax.evaluation.spec_eval_summary.
+whose results were written by another mode (e.g. a training workdir). A rerun keeps the previous
+files beside the new ones (spec_eval.prev.json, results.prev.json, numbered: workdir.write_kept).
+The models' checkpoints are verified as they load (a corrupt step is refused, naming its folder).
+One sampling setting's points: specjax.evaluation.spec_eval_sampling; results.json and the
+printed table: specjax.evaluation.spec_eval_summary.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import time
 
 from specjax import jsonio
@@ -181,10 +183,12 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
         'memory': measure.process_memory(),
         'wall_s': time.perf_counter() - started,
     }
-    if is_main_process():  # results and reports from process 0 only
-        jsonio.write_json(os.fspath(workdir_lib.path(workdir) / 'spec_eval.json'), result)
+    if is_main_process():  # results and reports from process 0 only; earlier ones are kept
+        workdir_lib.write_kept(
+            workdir, 'spec_eval.json', json.dumps(jsonio.jsonable(result), indent=2)
+        )
         headline_json = jsonio.jsonable(headline(result))  # NaN -> null, as before
-        workdir_lib.write_results(workdir, 'spec_eval', headline_json, config, keep_previous=False)
+        workdir_lib.write_results(workdir, 'spec_eval', headline_json, config)
         print(table_markdown(result), flush=True)
     return result
 

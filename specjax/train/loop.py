@@ -1,5 +1,10 @@
 """The training loop every mode shares: resume, checkpoints, SIGTERM, non-finite checks, metrics.
 
+Stopping: SIGTERM anywhere inside run_loop ends it consistently (the last completed step's
+checkpoint committed, or nothing saved when no step ran) with a LoopResult whose `preempted` the
+entry point turns into PREEMPTED_EXIT_CODE; disk errors of a save stop it with
+CheckpointWriteError (one line: the folder, the step, 'no space left on device').
+
 A mode (pretrain, distill, cotrain) describes itself as a `Task` (its state, jitted step, eval,
 data and identity) and calls `run_loop(task, workdir, config.train)`.
 """
@@ -58,31 +63,45 @@ class LoopResult:
     eval: dict[str, float]  # last validation scalars ({} if none ran)
     checkpoint_step: int | None  # latest checkpoint on disk
     checkpoint_dir: str
+    stopped: str = ''  # when preempted: what is saved ('stopped at step N; checkpoint step M ...')
 
 
 class _Preemption:
-    """SIGTERM -> flag checked at step boundaries; multi-process runs use JAX's sync point."""
+    """SIGTERM -> a flag, installed for the whole of run_loop (set-up, steps, evaluations, saves,
+    closing). It is honoured at step boundaries, before the first step, after an evaluation and
+    after a save. Multi-process runs use orbax's preemption sync point at step boundaries
+    instead. A request the loop did not honour (after its last check) is passed on to the
+    previous handler when this one is removed (specjax.main's stop, or the default)."""
 
-    def __init__(self, ckpts: Checkpoints):
-        self._ckpts = ckpts
+    def __init__(self):
+        self.ckpts: Checkpoints | None = None
+        self.multi = jax.process_count() > 1
+        self.honoured = False
         self._flag = False
         self._previous = None
 
     def __enter__(self):
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+        if not self.multi and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handler)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            if self._flag and not self.honoured and exc_type is None:
+                signal.raise_signal(signal.SIGTERM)
 
     def _handler(self, signum, frame):
         self._flag = True
 
     def requested(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            return self._ckpts.manager.reached_preemption(step)
+        """At a step boundary (every process calls it at the same step)."""
+        if self.multi:
+            return self.ckpts.manager.reached_preemption(step)
+        return self._flag
+
+    def flagged(self) -> bool:
+        """Between step boundaries: the single-process flag (multi-process: False)."""
         return self._flag
 
 
@@ -123,7 +142,8 @@ def resume(ckpts: Checkpoints, task: Task, train_cfg):
     """(step, state, data_state) of the newest intact checkpoint, or None if there is none.
 
     Checks the identity and the result-changing config fields (workdir.check_config_change)
-    before reading arrays; unreadable newer steps are skipped with a warning and moved to
+    before reading arrays; unreadable or corrupt newer steps (a digest mismatch, non-finite
+    params: specjax.checkpoint_integrity) are skipped with a warning and moved to
     <workdir>/checkpoints_broken/ so their step numbers can be saved again.
     """
     if ckpts.latest_step() is None:
@@ -140,7 +160,7 @@ def resume(ckpts: Checkpoints, task: Task, train_cfg):
                 allow=bool(train_cfg.get('allow_config_change', False)),
                 where=f'{ckpts.directory} (step {step})',
             )
-        return ckpts.restore(task.abstract_state, step)
+        return ckpts.restore(task.abstract_state, step, finite=task.finite_part)
 
     step, (state, data_state, _) = ckpts.newest_readable(read)
     if ckpts.skipped:
@@ -152,10 +172,13 @@ def resume(ckpts: Checkpoints, task: Task, train_cfg):
 def run_loop(task: Task, workdir: str, train_cfg, *, on_step: Callable | None = None):
     """Trains `task` to train_cfg.steps, resuming from <workdir>/checkpoints if present.
 
-    Holds the workdir lock. Saves every checkpoint_every steps and at the end; on SIGTERM saves
-    at the next step boundary, waits for the write and returns with preempted=True. A non-finite
-    loss raises NonFiniteLossError (the last good checkpoint is left intact). on_step(step,
-    state) is called after each step (tests, custom hooks). Returns a LoopResult.
+    Holds the workdir lock. Saves every checkpoint_every steps and at the end. SIGTERM at any
+    point of the call (set-up, a step, an evaluation, a save) stops at the next check: the
+    current step is saved (if a step ran), the write waited for, and it returns preempted=True
+    with `stopped` saying what is on disk. A non-finite loss raises NonFiniteLossError and a
+    failed save CheckpointWriteError at the step it is noticed (the last good checkpoint is
+    left intact either way). on_step(step, state) is called after each step (tests, custom
+    hooks). metrics.jsonl rows past the resumed step are dropped (they are written again).
     """
     workdir = workdir_lib.resolve(workdir)
     with workdir_lib.hold(workdir, task.mode):
@@ -163,82 +186,105 @@ def run_loop(task: Task, workdir: str, train_cfg, *, on_step: Callable | None = 
 
 
 def _run_loop(task: Task, workdir: str, train_cfg, on_step):
+    with _Preemption() as preemption:
+        ckpts = Checkpoints(
+            workdir, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpointing
+        )
+        preemption.ckpts = ckpts
+        writer = None
+        try:
+            resumed = resume(ckpts, task, train_cfg)
+            if resumed is not None:
+                start, state, data_state = resumed
+                task.batches.set_state(data_state)
+                log(f'resumed from {ckpts.directory} step {start}')
+            else:
+                state = task.init_state()
+                start = int(jax.device_get(state.step))  # > 0: continues another run (cotrain)
+            writer = MetricsWriter(workdir, keep_through=start)  # rows past `start` are redone
+            return _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start)
+        finally:
+            if writer is not None:
+                writer.close()
+            ckpts.close()
+
+
+def _stopped(preemption: _Preemption, ckpts: Checkpoints, state, step: int, last_eval):
+    """The preempted LoopResult once the last save is committed, saying what is on disk."""
+    ckpts.wait()
+    saved = ckpts.latest_step()
+    if saved is None:
+        text = 'stopped before any step; nothing saved'
+    else:
+        text = f'stopped at step {step}; checkpoint step {saved} is in {ckpts.directory}'
+    log(f'preempted (SIGTERM): {text}; rerun the same command to resume')
+    preemption.honoured = True
+    return LoopResult(state, step, True, last_eval, saved, ckpts.directory, text)
+
+
+def _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start) -> LoopResult:
     total = int(train_cfg.steps)
-    ckpts = Checkpoints(
-        workdir, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpointing
-    )
-    writer = None
-    try:
-        resumed = resume(ckpts, task, train_cfg)
-        if resumed is not None:
-            start, state, data_state = resumed
-            task.batches.set_state(data_state)
-            log(f'resumed from {ckpts.directory} step {start}')
-        else:
-            state = task.init_state()
-            start = int(jax.device_get(state.step))  # > 0: continues another run (cotrain init)
-        writer = MetricsWriter(workdir)
-        metadata = dict(task.metadata, **task.identity, mode=task.mode)
-        pending = _TrainMetrics()
-        progress = Progress(start, total, task.tokens_per_step)
-        last_eval, eval_step = {}, None
-        step = start
+    metadata = dict(task.metadata, **task.identity, mode=task.mode)
+    pending = _TrainMetrics()
+    progress = Progress(start, total, task.tokens_per_step)
+    last_eval, eval_step = {}, None
+    step = start
 
-        def evaluate():
-            nonlocal last_eval, eval_step
-            t0 = time.perf_counter()
-            last_eval, eval_step = task.evaluate(state), step
-            writer.write(step, 'eval', last_eval)
-            log(f'eval step {step}: ' + '  '.join(f'{k} {v:.4f}' for k, v in last_eval.items()))
-            progress.pause(time.perf_counter() - t0)
+    def evaluate():
+        nonlocal last_eval, eval_step
+        t0 = time.perf_counter()
+        last_eval, eval_step = task.evaluate(state), step
+        writer.write(step, 'eval', last_eval)
+        log(f'eval step {step}: ' + '  '.join(f'{k} {v:.4f}' for k, v in last_eval.items()))
+        progress.pause(time.perf_counter() - t0)
 
-        with _Preemption(ckpts) as preemption:
-            while step < total:
-                first = step == start
-                t0 = time.perf_counter()
-                state, metrics = task.step(state, task.put_batch(next(task.batches)))
-                step += 1
-                pending.add(step, metrics)
-                if first:
-                    jax.block_until_ready(metrics)
-                    log(
-                        f'step {step}: first step (compile + run) took '
-                        f'{time.perf_counter() - t0:.1f} s'
-                    )
-                    progress = Progress(step, total, task.tokens_per_step)
-                if on_step is not None:
-                    on_step(step, state)
-                stop = preemption.requested(step)
-                save = stop or step == total or _due(step, train_cfg.checkpoint_every)
-                if save or _due(step, train_cfg.log_every):
-                    pending.check(ckpts)
-                if _due(step, train_cfg.log_every) or step == total:
-                    scalars = pending.pop_means()
-                    scalars.update(progress.update(step))
-                    writer.write(step, 'train', scalars)
-                    log(format_progress(step, total, scalars))
-                eval_due = _due(step, train_cfg.eval_every) or step == total
-                if task.evaluate and eval_due and not stop:
-                    evaluate()
-                if save:
-                    t0 = time.perf_counter()
-                    ckpts.save(
-                        step,
-                        state,
-                        data_state=task.batches.get_state(),
-                        metadata=metadata,
-                        finite=task.finite_part(state),
-                    )
-                    progress.pause(time.perf_counter() - t0)
-                if stop:
-                    ckpts.wait()
-                    log(f'preempted: saved step {step} to {ckpts.directory}; rerun to resume')
-                    return LoopResult(state, step, True, last_eval, step, ckpts.directory)
-        if task.evaluate and eval_step != step:
+    if preemption.flagged():  # during set-up (resume, init, compiling the init)
+        return _stopped(preemption, ckpts, state, step, last_eval)
+    while step < total:
+        first = step == start
+        t0 = time.perf_counter()
+        state, metrics = task.step(state, task.put_batch(next(task.batches)))
+        step += 1
+        pending.add(step, metrics)
+        if first:
+            jax.block_until_ready(metrics)
+            log(f'step {step}: first step (compile + run) took {time.perf_counter() - t0:.1f} s')
+            progress = Progress(step, total, task.tokens_per_step)
+        if on_step is not None:
+            on_step(step, state)
+        if not preemption.multi:
+            ckpts.check_saves()  # a failed async save stops training here, at once
+        stop = preemption.requested(step)
+        save = stop or step == total or _due(step, train_cfg.checkpoint_every)
+        if save or _due(step, train_cfg.log_every):
+            pending.check(ckpts)
+        if _due(step, train_cfg.log_every) or step == total:
+            scalars = pending.pop_means()
+            scalars.update(progress.update(step))
+            writer.write(step, 'train', scalars)
+            log(format_progress(step, total, scalars))
+        eval_due = _due(step, train_cfg.eval_every) or step == total
+        if task.evaluate and eval_due and not stop:
             evaluate()
-        ckpts.wait()
-        return LoopResult(state, step, False, last_eval, ckpts.latest_step(), ckpts.directory)
-    finally:
-        if writer is not None:
-            writer.close()
-        ckpts.close()
+            if preemption.flagged():  # SIGTERM during the evaluation: save this step, stop
+                stop = save = True
+                pending.check(ckpts)
+        if save:
+            t0 = time.perf_counter()
+            ckpts.save(
+                step,
+                state,
+                data_state=task.batches.get_state(),
+                metadata=metadata,
+                finite=task.finite_part(state),
+            )
+            progress.pause(time.perf_counter() - t0)
+            stop = stop or preemption.flagged()  # SIGTERM during the save
+        if stop:
+            return _stopped(preemption, ckpts, state, step, last_eval)
+    if task.evaluate and eval_step != step:
+        evaluate()
+    ckpts.wait()
+    if preemption.flagged():  # during the final evaluation or the last save's commit
+        return _stopped(preemption, ckpts, state, step, last_eval)
+    return LoopResult(state, step, False, last_eval, ckpts.latest_step(), ckpts.directory)

@@ -12,6 +12,15 @@ import jax
 from absl import logging
 
 from specjax import workdir as workdir_lib
+from specjax.jsonio import write_text
+
+
+def _step_of(line: str) -> int | None:
+    """The 'step' of a metrics.jsonl row, None for a torn or foreign line."""
+    try:
+        return int(json.loads(line)['step'])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _jsonable(value):
@@ -22,13 +31,14 @@ def _jsonable(value):
 class MetricsWriter:
     """Appends one JSON row per (step, split) to metrics.jsonl and scalars to TensorBoard.
 
-    Only process 0 writes. Locally the JSONL file is opened in append mode: a resumed run adds
-    rows after the previous run's, nothing is rewritten. Object stores (gs://) cannot append, so
-    there the file is rewritten whole (old rows + new) at every write. TensorBoard writes a fresh
-    event file per run.
+    Only process 0 writes. keep_through (the step a run resumes from): rows of later steps,
+    written by a run stopped after its last checkpoint, are dropped first (the file is rewritten
+    atomically), so a resumed run writes each step's rows once. Locally the JSONL file is then
+    opened in append mode. Object stores (gs://) cannot append, so there the file is rewritten
+    whole (old rows + new) at every write. TensorBoard writes a fresh event file per run.
     """
 
-    def __init__(self, workdir):
+    def __init__(self, workdir, *, keep_through: int | None = None):
         self._enabled = jax.process_index() == 0
         self._file = None
         self._tb = None
@@ -37,13 +47,33 @@ class MetricsWriter:
             root = workdir_lib.path(workdir)
             root.mkdir(parents=True, exist_ok=True)
             self._path = root / 'metrics.jsonl'
+            rows = self._kept_rows(keep_through)
             if workdir_lib._is_local(root):
                 self._file = self._path.open('a')
             else:
-                self._remote_rows = [self._path.read_text()] if self._path.exists() else []
+                self._remote_rows = rows
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(logdir=os.fspath(root / 'tensorboard'))
+
+    def _kept_rows(self, keep_through: int | None) -> list[str]:
+        """The file's lines, less (rewriting it) rows after step keep_through and torn lines."""
+        if not self._path.exists():
+            return []
+        lines = self._path.read_text().splitlines(keepends=True)
+        if keep_through is None:
+            return lines
+        kept = [line for line in lines if _step_of(line) is not None]
+        kept = [line for line in kept if _step_of(line) <= keep_through]
+        if len(kept) != len(lines):
+            write_text(self._path, ''.join(kept))
+            logging.info(
+                'metrics.jsonl: dropped %d row(s) after step %d (written again from the '
+                'checkpoint)',
+                len(lines) - len(kept),
+                keep_through,
+            )
+        return kept
 
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         """Writes `scalars` for `split` ('train', 'eval', ...) at `step`."""
@@ -70,10 +100,18 @@ class MetricsWriter:
 
 
 class _QuietLibraries(pylogging.Filter):
-    """Drops orbax's per-save INFO chatter; warnings and errors still show."""
+    """Drops orbax's per-save INFO chatter. Its warnings and errors, and asyncio's about orbax's
+    tasks ('Task exception was never retrieved' after a failed save), show as their message
+    line without the traceback: a failed save is raised as CheckpointWriteError naming it."""
 
     def filter(self, record):
-        return record.levelno >= pylogging.WARNING or '/orbax/' not in record.pathname
+        orbax = '/orbax/' in record.pathname
+        if not orbax and not (record.name == 'asyncio' and '/orbax/' in record.getMessage()):
+            return True
+        if record.levelno >= pylogging.WARNING:
+            record.exc_info, record.exc_text = None, None
+            return True
+        return False
 
 
 def quiet_libraries() -> None:

@@ -152,7 +152,7 @@ def _pretrain(config, workdir, data, on_step) -> dict:
     if result.preempted:
         if jax.process_index() == 0:
             print(
-                f'preempted at step {result.step}: checkpoint {result.checkpoint_dir}; '
+                f'preempted: {result.stopped or f"checkpoint {result.checkpoint_dir}"}; '
                 'rerun the same command to resume',
                 flush=True,
             )
