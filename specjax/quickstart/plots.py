@@ -7,7 +7,8 @@ acceptance_by_position.png  conditional acceptance at each draft position, per d
                             bootstrap intervals and the examined counts
 speedup_vs_k.png            measured speedup (median, bars: range over repeats) beside the
                             predicted tau / (k c + v(k)) at the measured k only, chosen k circled
-alpha_over_steps.png        alpha_T1 (solid) and alpha_T0 (dashed) over each draft's own steps
+alpha_over_steps.png        alpha_T1 (solid) and alpha_T0 (dashed) over each draft's own steps,
+                            with the number of held-out positions
 acceptance_by_temperature_domain.png
                             acceptance at the reference k per sampling setting (bootstrap
                             intervals) and per domain (prompt counts)
@@ -131,7 +132,9 @@ def alpha_over_steps(d: dict, out_dir: str) -> str:
         ax.plot(steps, [r['alpha_T1'] for r in rows], 'o-', color=f'C{i}', label=f'{name} T = 1')
         ax.plot(steps, [r['alpha_T0'] for r in rows], 'o--', color=f'C{i}', label=f'{name} T = 0')
     ax.set_xlabel("the draft's own training step")
-    ax.set_ylabel('alpha (held-out, vs its target)')
+    n = d['target'].get('eval', {}).get('targets')  # the drafts are evaluated on the same tokens
+    count = f', {int(n)} positions' if n else ''
+    ax.set_ylabel(f'alpha (held-out{count}, vs its target)')
     ax.set_title('alpha over training steps')
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
