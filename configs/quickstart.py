@@ -50,7 +50,7 @@ import os
 
 import ml_collections
 
-from specjax.config_files import load_config, one_of, parse_arg
+from specjax.config_files import load_config, one_of, parse_arg, share_seed
 from specjax.models import presets
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -177,7 +177,7 @@ def _distill(size: str, p: dict, ce_only: bool) -> ml_collections.ConfigDict:
 def get_config(arg=None) -> ml_collections.ConfigDict:
     preset, size = _parse(arg)
     if preset == 'smollm2':  # SmolLM2-135M as the target: configs/quickstart_smollm2.py
-        return _share_seed(_load('quickstart_smollm2', f'size={size}'))
+        return _load('quickstart_smollm2', f'size={size}')  # seeds shared there
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'  # specjax.main dispatches on this
@@ -250,15 +250,4 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)  # k grid of the accelerator model
     c.estimates = ml_collections.ConfigDict(_ESTIMATES[size])  # seconds per stage, for the ETA
-    return _share_seed(c)
-
-
-def _share_seed(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Every stage section's `seed` becomes a reference to the top-level `seed` (default 0)."""
-    if 'seed' not in c:
-        c.seed = 0
-    for name in list(c.keys()):
-        section = c[name]
-        if isinstance(section, ml_collections.ConfigDict) and 'seed' in section:
-            section.seed = c.get_ref('seed')
-    return c
+    return share_seed(c)

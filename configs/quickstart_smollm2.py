@@ -23,7 +23,7 @@ import os
 
 import ml_collections
 
-from specjax.config_files import load_config, one_of, parse_arg
+from specjax.config_files import load_config, one_of, parse_arg, share_seed
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -201,4 +201,4 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)
     c.estimates = ml_collections.ConfigDict(_ESTIMATES[size])
-    return c
+    return share_seed(c)  # --config.seed=N sets every stage's seed

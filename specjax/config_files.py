@@ -116,6 +116,18 @@ def parse_arg(arg: str | None, /, **defaults) -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- load_config
 
 
+def share_seed(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` with every section's `seed` a reference to the top-level `seed` (added, default 0):
+    one --config.seed=N sets them all (the quickstart configs)."""
+    if 'seed' not in c:
+        c.seed = 0
+    for name in list(c.keys()):
+        section = c[name]
+        if isinstance(section, ml_collections.ConfigDict) and 'seed' in section:
+            section.seed = c.get_ref('seed')
+    return c
+
+
 def split_spec(spec: str) -> tuple[str, str | None]:
     """'path.py:arg' -> ('path.py', 'arg'); 'path.py' -> ('path.py', None) (the first ':')."""
     if not isinstance(spec, str) or not spec:
