@@ -1,4 +1,4 @@
-"""JSON for every record specjax writes: normalised values, one atomic writer, one differ.
+"""JSON for every record specjax writes: normalised values and one atomic writer.
 
 - `to_json(value)`: a value (ConfigDict, tuples, numpy scalars) as JSON gives it back; NaN stays
   NaN. Checkpoint metadata and results.json configs go through it, so a saved config compares
@@ -6,8 +6,8 @@
 - `jsonable(obj)`: numpy arrays, tuples, ConfigDicts and NaN/Inf -> plain JSON values (NaN/Inf
   become null); what `write_json` writes.
 - `write_json(path, obj)`: atomic (temporary file, then rename), local or remote (etils.epath).
-- `first_difference(saved, current, path)`: the first (path, saved, current) where two JSON
-  trees differ, keys in sorted order.
+
+Differences between two configs are specjax.config_diff's (every differing field, named).
 """
 
 from __future__ import annotations
@@ -71,14 +71,3 @@ def write_json(path: str, obj, *, indent: int | None = 2, sort_keys: bool = Fals
 def read_json(path) -> Any:
     """The JSON value in a local or remote file."""
     return json.loads(epath.Path(path).read_text())
-
-
-def first_difference(saved, current, path: str = '') -> tuple[str, Any, Any] | None:
-    """The first (path, saved, current) where two JSON values differ, or None."""
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current), key=str):
-            diff = first_difference(saved.get(key), current.get(key), f'{path}.{key}')
-            if diff:
-                return diff
-        return None
-    return None if saved == current else (path, saved, current)
