@@ -245,15 +245,16 @@ def config_changes(saved, current) -> list[tuple[str, Any, Any]]:
     return out
 
 
-def check_config_change(saved, current, *, allow: bool, where: str) -> None:
-    """ConfigMismatch naming the changed fields unless `allow` (then a warning lists them)."""
+def check_config_change(saved, current, *, allow: bool, where: str) -> list:
+    """ConfigMismatch naming the changed fields unless `allow` (then a warning lists them and
+    they are returned: [(field, saved value, current value)], [] when nothing changed)."""
     changes = config_changes(saved, current)
     if not changes:
-        return
+        return []
     text = ', '.join(f'{k}: {old!r} -> {new!r}' for k, old, new in changes)
     if allow:
         logging.warning('%s: continuing with a changed config (allowed): %s', where, text)
-        return
+        return changes
     raise ConfigMismatch(
         f'config differs from the run recorded in {where} in result-changing field(s) '
         f'{[k for k, _, _ in changes]}: {text}. Use a new --workdir, the original settings, or '
@@ -350,12 +351,32 @@ def write_kept(workdir, name: str, text: str) -> str:
     return os.fspath(file)
 
 
+CONFIG_HISTORY_FILE = 'config_history.json'
+
+
+def record_config_change(workdir, step: int, changes: list) -> None:
+    """Appends to <workdir>/config_history.json that the run resumed at `step` with the allowed
+    `changes` [(field, before, after)] (process 0), so results record which settings the
+    parameters were trained under (write_results copies the history in)."""
+    if not changes or _process_index() != 0:
+        return
+    file = path(workdir) / CONFIG_HISTORY_FILE
+    history = json.loads(file.read_text()) if file.exists() else []
+    entry = {'resumed_at_step': int(step), 'changes': [[k, old, new] for k, old, new in changes]}
+    if history and history[-1] == json.loads(json.dumps(entry, default=str)):
+        return  # the same resume again (a crash before the next checkpoint)
+    history.append(entry)
+    write_text(os.fspath(file), json.dumps(history, indent=2, default=str))
+
+
 def write_results(workdir: str, mode: str, results: dict, config, name: str = RESULTS_FILE):
     """Writes <workdir>/<name> with mode, config and config_hash; returns its path (a str).
 
     Process 0 only (other processes write nothing and get the same path back). Refuses
     (ValueError) to replace a file another mode wrote; an older file of this mode is kept beside
-    it (keep_previous), so a rerun never loses an earlier result.
+    it (keep_previous), so a rerun never loses an earlier result. A run resumed with allowed
+    config changes also gets 'config_history' (record_config_change): the config recorded is
+    the latest, and the history says what the earlier steps ran with.
     """
     root = path(workdir)
     file = root / name
@@ -364,4 +385,7 @@ def write_results(workdir: str, mode: str, results: dict, config, name: str = RE
     check_results_owner(root, mode, name)
     root.mkdir(parents=True, exist_ok=True)
     out = dict(results, mode=mode, config=to_json(config), config_hash=config_hash(config))
+    history = root / CONFIG_HISTORY_FILE
+    if history.exists():  # resumed with allowed config changes: the settings before them too
+        out['config_history'] = json.loads(history.read_text())
     return write_kept(root, name, json.dumps(out, indent=2, sort_keys=True, default=str))

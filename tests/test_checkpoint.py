@@ -278,3 +278,11 @@ def test_resume_with_changed_result_fields_fails_naming_them(tmp_path, finished_
     shutil.copytree(workdir, work)
     config = short_config(steps=14, allow_config_change=True)
     assert pretrain(config, str(work), data=markov_data(config))['step'] == 14
+    # results.json records the config it ended with and what the earlier steps ran under
+    extended = json.loads((work / 'results.json').read_text())
+    steps = recorded['config']['train']['steps']
+    assert extended['config']['train']['steps'] == 14
+    assert extended['config_history'] == [
+        {'resumed_at_step': steps, 'changes': [['train.steps', steps, 14]]}
+    ]
+    assert 'config_history' not in recorded

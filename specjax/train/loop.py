@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import threading
 import time
@@ -149,12 +150,13 @@ def resume(ckpts: Checkpoints, task: Task, train_cfg):
     if ckpts.latest_step() is None:
         return None
     config = task.metadata.get('config')
+    changes = {}
 
     def read(step):
         ckpts.check_identity(task.identity, step)
         saved = ckpts.metadata(step).get('config')
         if config is not None and isinstance(saved, dict):  # (older checkpoints: YAML text)
-            workdir_lib.check_config_change(
+            changes[step] = workdir_lib.check_config_change(
                 saved,
                 config,
                 allow=bool(train_cfg.get('allow_config_change', False)),
@@ -163,6 +165,8 @@ def resume(ckpts: Checkpoints, task: Task, train_cfg):
         return ckpts.restore(task.abstract_state, step, finite=task.finite_part)
 
     step, (state, data_state, _) = ckpts.newest_readable(read)
+    workdir = os.path.dirname(ckpts.directory)  # checkpoints live in <workdir>/checkpoints
+    workdir_lib.record_config_change(workdir, step, changes.get(step, []))
     if ckpts.skipped:
         log(f'resuming from step {step}: newer step(s) {[s for s, _ in ckpts.skipped]} unreadable')
         ckpts.move_aside([s for s, _ in ckpts.skipped])
