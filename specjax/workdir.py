@@ -112,7 +112,8 @@ def _process_index() -> int:
     return jax.process_index()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (signal 0; no permission = alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -170,7 +171,7 @@ def hold(workdir: str, mode: str):
         ) from None
     previous = read_holder(key)
     if previous:
-        alive = previous.get('host') == socket.gethostname() and _pid_alive(previous.get('pid', 0))
+        alive = previous.get('host') == socket.gethostname() and pid_alive(previous.get('pid', 0))
         note = ' (that pid is now another process)' if alive else ''
         logging.warning(
             'workdir %s: took over the lock left by %s, which has ended%s',

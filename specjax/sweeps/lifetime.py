@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 
-from specjax.workdir import RUNNER_PID_ENV
+from specjax.workdir import RUNNER_PID_ENV, pid_alive
 
 PARENT_DEATH_SIGNAL = signal.SIGKILL
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -93,13 +93,7 @@ def runner_alive(identity: dict) -> bool | None:
         return recorded is None or recorded == ticks  # another start time: a reused pid
     if os.path.isdir('/proc'):
         return False  # no such process, or a zombie
-    try:  # no /proc: a live pid is all there is to know
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)  # no /proc: a live pid is all there is to know
 
 
 def without_dead_runner(status):
