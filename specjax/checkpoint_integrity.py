@@ -24,7 +24,8 @@ Errors: CorruptCheckpoint (a step whose content is not what was saved; its messa
 folder and the file) and CheckpointWriteError (a save that failed, e.g. 'no space left on
 device', naming the checkpoint folder and step; `write_error` maps orbax's and TensorStore's
 errors to it). After a failed save TensorStore reports each of its still pending writes as an
-unraisable 'Event loop is closed' error; `quiet_orphaned_write_callbacks` drops those.
+unraisable 'Event loop is closed' error, and asyncio logs the gathered writes' disk errors as
+'exception was never retrieved'; `quiet_orphaned_write_callbacks` drops both.
 Also here: finiteness checks (`check_finite`), the files every committed step has
 (`missing_file`) and moving broken steps aside (`move_aside`).
 """
@@ -35,6 +36,7 @@ import datetime
 import errno
 import hashlib
 import json
+import logging as py_logging
 import os
 import sys
 import traceback
@@ -246,13 +248,26 @@ def _orphaned_write_callback(unraisable) -> bool:
     return any(f'{os.sep}asyncio{os.sep}' in frame.filename for frame in frames)
 
 
+class _UnretrievedDiskErrors(py_logging.Filter):
+    """Drops asyncio's 'exception was never retrieved' records whose exception is a disk error
+    (the other writes of a save that failed; the failure is raised as CheckpointWriteError)."""
+
+    def filter(self, record: py_logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or 'exception was never retrieved' not in str(record.msg):
+            return True
+        return _disk_errno(error) is None
+
+
 def quiet_orphaned_write_callbacks() -> None:
     """Drops (process-wide, once) the unraisable 'Event loop is closed' errors that TensorStore
-    reports, one per pending write, after a save failed; the failure itself is raised as
-    CheckpointWriteError. Every other unraisable error goes to the previous hook."""
+    reports, one per pending write, after a save failed, and asyncio's log records of the same
+    writes' disk errors; the failure itself is raised as CheckpointWriteError. Every other
+    unraisable error goes to the previous hook, every other record is logged."""
     previous = sys.unraisablehook
     if getattr(previous, '_specjax_quiet', False):
         return
+    py_logging.getLogger('asyncio').addFilter(_UnretrievedDiskErrors())
 
     def hook(unraisable):
         if not _orphaned_write_callback(unraisable):

@@ -256,10 +256,14 @@ def _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start) ->
             progress = Progress(step, total, task.tokens_per_step)
         if on_step is not None:
             on_step(step, state)
-        if not preemption.multi:
-            ckpts.check_saves()  # a failed async save stops training here, at once
         stop = preemption.requested(step)
         save = stop or step == total or _due(step, train_cfg.checkpoint_every)
+        if preemption.multi:
+            pass  # processes check together, in the save itself
+        elif save:
+            ckpts.wait()  # a failed async save stops training before this step is logged
+        else:
+            ckpts.check_saves()  # ... or here, at once, if it has already finished
         if save or _due(step, train_cfg.log_every):
             pending.check(ckpts)
         if _due(step, train_cfg.log_every) or step == total:
