@@ -110,13 +110,13 @@ def max_tv(tokens, joint):
     return max(tvs)
 
 
-def run_test(tokens, lengths, sampling, m):
+def run_test(tokens, lengths, sampling, m, target=TARGET):
     """Tests each prompt's rows against its truth; returns (rejected names, max TV)."""
     assert (np.asarray(lengths) >= m).all()
     tokens = np.asarray(tokens)[:, :m]
     pvals, tv = {}, 0.0
     for j, prompt in enumerate(PROMPTS):
-        joint = truth(TARGET, prompt, sampling, m)
+        joint = truth(target, prompt, sampling, m)
         rows = tokens[j :: len(PROMPTS)]
         pvals.update({f'prompt{j}.{name}': p for name, p in pvalues(rows, joint).items()})
         tv = max(tv, max_tv(rows, joint))

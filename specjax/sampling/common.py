@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 from flax.nnx import graphlib
 
-from specjax.models import TransformerConfig, apply_cached, check_capacity
+from specjax.models import FeatureDraftConfig, TransformerConfig, apply_cached, check_capacity
 from specjax.parallel import (
     DEFAULT_RULES,
     batch_sharding,
@@ -54,10 +54,13 @@ class SampleOutput:
 
 
 def config_of(graphdef) -> TransformerConfig:
-    """The TransformerConfig a model's graphdef holds as a static attribute."""
+    """The TransformerConfig a model's graphdef holds as a static attribute; for a feature draft
+    (FeatureDraftConfig) the config of its own blocks and cache (vocab_size: its vocabulary)."""
     for _, attr in graphdef.attributes:
         if isinstance(attr, graphlib.Static) and isinstance(attr.value, TransformerConfig):
             return attr.value
+        if isinstance(attr, graphlib.Static) and isinstance(attr.value, FeatureDraftConfig):
+            return attr.value.decoder
     raise ValueError(f'graphdef of {graphdef.nodes[0].type} holds no TransformerConfig')
 
 

@@ -8,20 +8,21 @@ length, own acceptance, own eos) and finished rows stay inert; nothing returns t
 every row is done.
 
 Cache invariant at the start of a round: the target has consumed the context except its last
-token `last`; the draft has consumed it except `last` and, when the previous round accepted all
-k proposals, x_k before it (`prev`, `draft_pending` = 2).
+token `last`. The draft is a token draft or a feature draft (EAGLE-3 style, reading the target's
+hidden states); specjax.sampling.drafters says what each has consumed and catches it up.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models import KVCache, apply_cached, init_cache, split
-from specjax.sampling import common, guards
+from specjax.models import KVCache, init_cache, split
+from specjax.sampling import common, drafters, guards
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -45,7 +46,8 @@ class SpeculativeState:
 
     tcache / dcache: target / draft KV caches. last [B]: the newest context token, not yet fed
     to the target; prev [B]: the last accepted proposal of the previous round (x_k, or the
-    depth-D node), fed to the draft with `last` when draft_pending [B] is 2. out [B, N] emitted
+    depth-D node), fed to a token draft with `last` when draft_pending [B] is 2; a feature
+    draft's draft_pending entries are in dfeed (specjax.sampling.drafters). out [B, N] emitted
     tokens, emitted [B] their count, done [B]. round (scalar) batched rounds so far, row_rounds
     [B] rounds each row was active in; row_examined_per_position / row_accepted_per_position
     [B, K]: rounds in which the row tested / accepted a proposal at position (depth) i + 1.
@@ -67,6 +69,7 @@ class SpeculativeState:
     row_accepted_per_position: jax.Array
     nonfinite_target: jax.Array = False  # defaults: states built outside the samplers
     nonfinite_draft: jax.Array = False
+    dfeed: Any = ()
 
 
 def speculative_sample(
@@ -153,6 +156,7 @@ def make_speculative_fn(
     k = common.check_positive_int('num_draft_tokens', num_draft_tokens)
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
+    drafter = drafters.drafter_for(target_graphdef, draft_graphdef, 'speculative_sample')
     t_vocab = common.config_of(target_graphdef).vocab_size
     d_vocab = common.config_of(draft_graphdef).vocab_size
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
@@ -175,6 +179,7 @@ def make_speculative_fn(
         vocab,
         _bug,
         bool(check_finite),
+        drafter,
     )
     return program.with_sampling(sampling, dynamic_sampling)
 
@@ -182,7 +187,7 @@ def make_speculative_fn(
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
     target_graphdef, draft_graphdef, k, max_new, eos_id, mesh, rules, draft_rules, acc, vocab, bug,
-    check_finite,
+    check_finite, drafter,
 ):  # fmt: skip
     def check(width):
         for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
@@ -201,6 +206,7 @@ def _cached_fn(
         bug=bug,
         layout=(mesh, rules, draft_rules),
         check_finite=check_finite,
+        drafter=drafter,
     )
     models = (
         ('target', target_graphdef, rules, 'rules'),
@@ -213,7 +219,7 @@ def _cached_fn(
 
 def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, sampling, *, k, max_new, eos_id,
-    acc, vocab, bug, layout, check_finite=True,
+    acc, vocab, bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER,
 ):  # fmt: skip
     """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
     batch, width = prompts.shape
@@ -225,27 +231,20 @@ def _speculative_core(
         (init_cache(common.config_of(tgd), batch, capacity), rules),
         (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
     ))  # fmt: skip
-    _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
-    _, dcache = apply_cached(dgd, dparams, vocab.to_draft(prompts), prompt_lengths - 1, dcache)
+    _, tcache, features = drafter.target_call(tgd, tparams, prompts, prompt_lengths - 1, tcache)
+    dcache, dfeed = drafter.init(dgd, dparams, dcache, prompts, prompt_lengths, vocab, features, k)
     zeros = jnp.zeros((batch,), jnp.int32)
     state = SpeculativeState(
-        tcache=tcache,
-        dcache=dcache,
-        last=prompts[rows, prompt_lengths - 1],
-        prev=zeros,
-        draft_pending=zeros + 1,
-        out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
-        emitted=zeros,
-        done=jnp.zeros((batch,), bool),
-        round=jnp.int32(0),
-        row_rounds=zeros,
+        tcache=tcache, dcache=dcache, last=prompts[rows, prompt_lengths - 1], prev=zeros,
+        draft_pending=zeros + 1, out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
+        emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
         row_examined_per_position=jnp.zeros((batch, k), jnp.int32),
         row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
-        **guards.initial_flags(),
-    )
+        **guards.initial_flags(), dfeed=dfeed,
+    )  # fmt: skip
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, max_new=max_new, sampling=sampling,
-        eos_id=eos_id, acc=acc, vocab=vocab, bug=bug, check_finite=check_finite,
+        eos_id=eos_id, acc=acc, vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
@@ -256,10 +255,12 @@ def _speculative_core(
 
 
 def _propose(
-    dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug, check_finite=True
+    dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug, check_finite=True,
+    drafter,
 ):  # fmt: skip
-    """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, cache,
-    whether any of the k draft logits of an active row was non-finite).
+    """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, the
+    drafter's carry after x_{k-1}, whether any of the k draft logits of an active row was
+    non-finite).
 
     k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
     q_2..q_k; x_k is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax
@@ -269,10 +270,7 @@ def _propose(
     """
     act = active.astype(jnp.int32)
     nonfinite = lambda lg: guards.any_nonfinite(lg, active, check_finite)
-    logits, dcache = common.draft_catch_up(
-        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
-        vocab.to_draft,
-    )  # fmt: skip
+    logits, carry = drafter.catch_up(dgd, dparams, state, active, vocab)
 
     greedy = is_greedy(sampling)
     q_width = 1 if greedy is True else vocab.target_vocab  # static greedy: a placeholder q
@@ -298,37 +296,35 @@ def _propose(
         return branch(greedy, argmax, sample, uniform_B, vocab.restrict(logits))
 
     def step(carry, uniform_B):
-        logits, cache, bad = carry
+        logits, dcarry, bad = carry
         x, q = draw(uniform_B, logits)
-        logits, cache = apply_cached(dgd, dparams, vocab.to_draft(x[:, None]), act, cache)
-        bad = bad | nonfinite(logits)
-        return (logits[:, 0], cache, bad), (x, q)
+        logits, dcarry = drafter.step(dgd, dparams, dcarry, x, act, vocab)
+        return (logits, dcarry, bad | nonfinite(logits)), (x, q)
 
-    uniform_KB, carry = uniform_BK.T, (logits, dcache, nonfinite(logits))
-    (logits, dcache, bad), (xs, qs) = jax.lax.scan(step, carry, uniform_KB[: k - 1])
+    uniform_KB, carry = uniform_BK.T, (logits, carry, nonfinite(logits))
+    (logits, carry, bad), (xs, qs) = jax.lax.scan(step, carry, uniform_KB[: k - 1])
     x_last, q_last = draw(uniform_KB[k - 1], logits)
     x_BK = jnp.concatenate([xs.T, x_last[:, None]], axis=1)
     q_BKV = jnp.concatenate([jnp.swapaxes(qs, 0, 1), q_last[:, None]], axis=1)
-    return x_BK, q_BKV, dcache, bad
+    return x_BK, q_BKV, carry, bad
 
 
 def _round(
     tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, acc, vocab, bug,
-    check_finite=True,
+    check_finite=True, drafter,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
     # One draw per round; its disjoint slices are independent streams for the draft samples,
     # the acceptance tests and the residual/bonus draw.
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
-    x_BK, q_BKV, dcache, draft_bad = _propose(
+    x_BK, q_BKV, dcarry, draft_bad = _propose(
         dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
-        vocab=vocab, bug=bug, check_finite=check_finite,
+        vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter,
     )  # fmt: skip
 
-    tcache = state.tcache
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
-    logits, tcache = apply_cached(tgd, tparams, tokens, jnp.zeros_like(act), tcache)
+    logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
     greedy = is_greedy(sampling)
 
     def test(logits):  # the acceptance rule on the transformed p and q
@@ -339,10 +335,8 @@ def _round(
         if bug == 'residual_untransformed':
             extra['residual_p_BKV'] = jax.nn.softmax(logits / sampling.temperature, axis=-1)
         if bug == 'bonus_from_q':  # q_{k+1} from a throwaway draft call on x_k
-            q_logits, _ = apply_cached(dgd, dparams, vocab.to_draft(x_BK[:, -1:]), act, dcache)
-            extra['bonus_BV'] = vocab.expand(
-                transform_logits(vocab.restrict(q_logits[:, 0]), sampling)
-            )
+            q_logits, _ = drafter.step(dgd, dparams, dcarry, x_BK[:, -1], act, vocab)
+            extra['bonus_BV'] = vocab.expand(transform_logits(vocab.restrict(q_logits), sampling))
         return verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
 
     # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
@@ -360,15 +354,18 @@ def _round(
     examined = (i < jnp.minimum(num_acc + 1, k)[:, None]) & counted
     accepted = (i < num_acc[:, None]) & counted
 
-    # Roll back: the target keeps last + x_1..x_n; the draft keeps x_1..x_min(n, k-1).
+    # Roll back: the target keeps last + x_1..x_n; the drafter rolls its draft back.
     keep = lambda new, old: jnp.where(active, new, old)
-    d_len = dcache.lengths - (k - 1) + jnp.minimum(num_acc, k - 1)
+    dcache, prev, draft_pending, dfeed = drafter.after_round(
+        state, dcarry, drafter.fuse(dgd, dparams, features), k=k, x_BK=x_BK,
+        num_acc_B=num_acc, next_B=next_token, active_B=active,
+    )  # fmt: skip
     return SpeculativeState(
         tcache=tcache.replace(lengths=keep(tcache.lengths + 1 + num_acc, tcache.lengths)),
-        dcache=dcache.replace(lengths=keep(d_len, dcache.lengths)),
+        dcache=dcache,
         last=keep(next_token, state.last),
-        prev=keep(x_BK[:, -1], state.prev),
-        draft_pending=keep(1 + (num_acc == k).astype(jnp.int32), state.draft_pending),
+        prev=prev,
+        draft_pending=draft_pending,
         out=jnp.where(active[:, None], out, state.out),
         emitted=emitted,
         done=state.done | (active & ((emitted >= max_new) | hit_eos)),
@@ -378,6 +375,7 @@ def _round(
         row_accepted_per_position=state.row_accepted_per_position + accepted,
         nonfinite_target=state.nonfinite_target | target_bad,
         nonfinite_draft=state.nonfinite_draft | draft_bad,
+        dfeed=dfeed,
     )
 
 

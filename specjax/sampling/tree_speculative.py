@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.models import apply_cached, init_cache, split
 from specjax.models.kv_cache import gather_window
-from specjax.sampling import common, guards
+from specjax.sampling import common, drafters, guards
 from specjax.sampling import tree as tr
 from specjax.sampling.speculative import SpeculativeState
 from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
@@ -72,6 +72,11 @@ def make_tree_speculative_fn(
 ):  # fmt: skip
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
     tree = tr.check_tree(tree)
+    if drafters.drafter_for(
+        target_graphdef, draft_graphdef, 'tree_speculative_sample'
+    ).feature_layers:
+        raise ValueError('tree_speculative_sample: a feature draft drafts chains only for now '
+                         '(speculative_sample); token trees take a token draft')  # fmt: skip
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
     t_vocab = common.config_of(target_graphdef).vocab_size

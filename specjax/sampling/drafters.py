@@ -1,0 +1,201 @@
+"""How the chain sampler drives its draft: a token draft (a Transformer) or a feature draft.
+
+The chain sampler (specjax.sampling.speculative) talks to its draft through one of two drafters,
+chosen from the draft's graphdef (`drafter_for`); both keep the draft's KV cache beside the
+target's and differ in what the draft reads and what it must catch up on after a round.
+
+Token draft (`TokenDrafter`, a Transformer over draft ids): reads the context tokens. At a
+round's start it has consumed the context except `last` and, after a round that accepted all k
+proposals, x_k before it (`prev`, pending 2); the catch-up feeds those 1-2 tokens.
+
+Feature draft (`FeatureDrafter`, specjax.models.feature_draft.FeatureDraft): draft entry t
+pairs the context token c_t with the fused target feature f_{t-1} (f_{-1} = 0) and predicts
+c_{t+1}. The target's verification call also returns the features of the k + 1 positions it
+scored, so after a round that accepted n proposals the draft's cache is rolled back to the
+entries that were fed true features (the context up to `last`) and the n + 1 new entries
+(x_1..x_n and the replacement/bonus token, paired with the features of `last`, x_1..x_n) are
+pending: the next round's catch-up feeds them in one (k + 1)-wide cached call. Proposals past
+the catch-up pair x_i with the draft's own output state at the previous entry (EAGLE's
+feature-level autoregression); they are dropped in the roll-back. So the draft's cache after a
+round holds exactly what a from-scratch pass over the accepted context with the target's
+features would hold (tests/test_feature_sampling.py checks this).
+
+Both drafters are static (hashable) parts of a compiled sampler. A draft is only a proposal
+distribution q: neither changes the sampler's output law.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from flax.nnx import graphlib
+
+from specjax.models import apply_cached, merge
+from specjax.models.feature_draft import FeatureDraftConfig
+from specjax.sampling import common
+
+
+@struct.dataclass
+class FeatureFeed:
+    """A feature draft's pending entries (W = k + 1): tokens [B, W] (target ids) and fused
+    target features [B, W, E]; the row's count is the sampler state's draft_pending [B]."""
+
+    tokens: jax.Array
+    features: jax.Array
+
+
+def feature_config_of(graphdef) -> FeatureDraftConfig | None:
+    """The FeatureDraftConfig a feature draft's graphdef holds, else None (a token draft)."""
+    for _, attr in graphdef.attributes:
+        if isinstance(attr, graphlib.Static) and isinstance(attr.value, FeatureDraftConfig):
+            return attr.value
+    return None
+
+
+def drafter_for(target_graphdef, draft_graphdef, who: str):
+    """TokenDrafter() or FeatureDrafter(...) for this pair; ValueError (before compiling) when a
+    feature draft was built for another target (width, blocks or vocabulary)."""
+    feature = feature_config_of(draft_graphdef)
+    if feature is None:
+        return TokenDrafter()
+    target = common.config_of(target_graphdef)
+    for field in ('d_model', 'n_layers', 'vocab_size'):
+        want, got = getattr(feature.target, field), getattr(target, field)
+        if want != got:
+            raise ValueError(
+                f'{who}: the feature draft reads a target with {field}={want}, but the target '
+                f'has {field}={got} (FeatureDraftConfig.target)'
+            )
+    return FeatureDrafter(feature.feature_layers)
+
+
+def target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=()):
+    """The target's cached call -> (logits [B, T, V], cache, features [B, T, n, E] of the blocks
+    `feature_layers`, or None when none are read)."""
+    if not feature_layers:
+        return (*apply_cached(tgd, tparams, tokens_BT, num_valid_B, tcache), None)
+    return apply_cached(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=feature_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDrafter:
+    """A Transformer draft over draft ids (vocab.to_draft maps the target ids it reads)."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache):
+        """The target's cached call with the features this draft reads (`target_call`)."""
+        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers)
+
+    def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
+        """Consumes the prompt except its last token -> (cache, feed ())."""
+        del features_BPNE, k
+        _, cache = apply_cached(dgd, dparams, vocab.to_draft(prompts), lengths - 1, cache)
+        return cache, ()
+
+    def fuse(self, dgd, dparams, features_BWNE):
+        """No features are read: None."""
+        return None
+
+    def catch_up(self, dgd, dparams, state, active, vocab):
+        """-> (logits [B, V_d] after the pending tokens, carry for `step`)."""
+        return common.draft_catch_up(
+            dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
+            vocab.to_draft,
+        )  # fmt: skip
+
+    def step(self, dgd, dparams, carry, x_B, act_B, vocab):
+        """Feeds proposal x [B] -> (logits [B, V_d], carry)."""
+        logits, cache = apply_cached(dgd, dparams, vocab.to_draft(x_B[:, None]), act_B, carry)
+        return logits[:, 0], cache
+
+    def after_round(self, state, carry, fused_BWE, *, k, x_BK, num_acc_B, next_B, active_B):
+        """-> (cache, prev, pending, feed) of the next round's start: the cache keeps
+        x_1..x_min(n, k-1); x_k and `last` are pending after an all-accepted round."""
+        del fused_BWE, next_B
+        keep = lambda new, old: jnp.where(active_B, new, old)
+        d_len = carry.lengths - (k - 1) + jnp.minimum(num_acc_B, k - 1)
+        pending = 1 + (num_acc_B == k).astype(jnp.int32)
+        return (
+            carry.replace(lengths=keep(d_len, state.dcache.lengths)),
+            keep(x_BK[:, -1], state.prev),
+            keep(pending, state.draft_pending),
+            (),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafter:
+    """A FeatureDraft reading the target blocks `feature_layers` (module docstring)."""
+
+    feature_layers: tuple[int, ...]
+
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache):
+        """The target's cached call with the features this draft reads (`target_call`)."""
+        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers)
+
+    def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
+        """Consumes entries 0..P-2 of the prompt (tokens c_t, features f_{t-1}); entry P-1
+        (`last`, f_{P-2}) is pending -> (cache, FeatureFeed of width k + 1)."""
+        del vocab
+        batch = prompts.shape[0]
+        fused = self.fuse(dgd, dparams, features_BPNE)  # [B, P, E]: f_0..f_{P-1}
+        shifted = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+        model = merge(dgd, dparams)
+        _, _, cache = model.decode(prompts, shifted, lengths - 1, cache)
+        rows = jnp.arange(batch)
+        first = jnp.where((lengths >= 2)[:, None], fused[rows, jnp.maximum(lengths - 2, 0)], 0)
+        tokens = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(prompts[rows, lengths - 1])
+        features = jnp.zeros((batch, k + 1, fused.shape[-1]), fused.dtype).at[:, 0].set(first)
+        return cache, FeatureFeed(tokens=tokens, features=features)
+
+    def fuse(self, dgd, dparams, features_BWNE):
+        """Target features [B, W, n, E] -> the draft's fused features [B, W, E]."""
+        return merge(dgd, dparams).fuse_features(features_BWNE)
+
+    def catch_up(self, dgd, dparams, state, active, vocab):
+        """Feeds the pending entries -> (logits [B, V_d] at the last valid one, carry (cache,
+        output state [B, E] there))."""
+        del vocab
+        feed, pending = state.dfeed, state.draft_pending
+        num_valid = pending * active.astype(jnp.int32)
+        logits, h, cache = merge(dgd, dparams).decode(
+            feed.tokens, feed.features, num_valid, state.dcache
+        )
+        at = jnp.maximum(pending - 1, 0)[:, None, None]
+        take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
+        return take(logits), (cache, take(h))
+
+    def step(self, dgd, dparams, carry, x_B, act_B, vocab):
+        """Feeds proposal x [B] with the previous entry's output state as its feature."""
+        del vocab
+        cache, h_BE = carry
+        logits, h, cache = merge(dgd, dparams).decode(x_B[:, None], h_BE[:, None], act_B, cache)
+        return logits[:, 0], (cache, h[:, 0])
+
+    def after_round(self, state, carry, fused_BWE, *, k, x_BK, num_acc_B, next_B, active_B):
+        """fused_BWE: the features of `last`, x_1..x_k -> (cache rolled back to the entries fed
+        true features, prev, pending n + 1, the new feed)."""
+        cache, _ = carry
+        keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+        d_len = cache.lengths - (k - 1)  # the proposals were fed self-states: dropped
+        i = jnp.arange(k + 1)[None, :]
+        padded = jnp.concatenate([x_BK, jnp.zeros_like(x_BK[:, :1])], axis=1)
+        tokens = jnp.where(i < num_acc_B[:, None], padded, jnp.where(i == num_acc_B[:, None],
+                           next_B[:, None], 0))  # fmt: skip
+        feed = FeatureFeed(
+            tokens=keep(tokens, state.dfeed.tokens),
+            features=keep(fused_BWE, state.dfeed.features),
+        )
+        return (
+            cache.replace(lengths=keep(d_len, state.dcache.lengths)),
+            state.prev,
+            keep(num_acc_B + 1, state.draft_pending),
+            feed,
+        )
+
+
+TOKEN_DRAFTER = TokenDrafter()
