@@ -98,7 +98,7 @@ def test_draft_state_after_partial_acceptance_equals_recomputation():
         next_token = jnp.asarray(rng.integers(0, vocab_size, batch), jnp.int32)
         tcache = tcache.replace(lengths=tcache.lengths + 1 + num_acc)
         dcache, prev, pending, feed = drafter.after_round(
-            state, carry, drafter.fuse(dgd, dp, features), k=k, x_BK=x, num_acc_B=num_acc,
+            state, carry, drafter.fuse(dgd, dp, features), fed=k - 1, x_BK=x, num_acc_B=num_acc,
             next_B=next_token, active_B=active,
         )  # fmt: skip
         state = types.SimpleNamespace(

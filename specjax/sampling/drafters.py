@@ -112,16 +112,17 @@ class TokenDrafter:
         logits, cache = apply_cached(dgd, dparams, vocab.to_draft(x_B[:, None]), act_B, carry)
         return logits[:, 0], cache
 
-    def after_round(self, state, carry, fused_BWE, *, k, x_BK, num_acc_B, next_B, active_B):
-        """-> (cache, prev, pending, feed) of the next round's start: the cache keeps
-        x_1..x_min(n, k-1); x_k and `last` are pending after an all-accepted round."""
+    def after_round(self, state, carry, fused_BWE, *, fed, x_BK, num_acc_B, next_B, active_B):
+        """-> (cache, prev, pending, feed) of the next round's start. `fed` (scalar) proposals
+        were fed to the draft (k - 1 unless a stop ended the round early): the cache keeps
+        x_1..x_min(n, fed); x_{fed+1} and `last` are pending when it was accepted too."""
         del fused_BWE, next_B
         keep = lambda new, old: jnp.where(active_B, new, old)
-        d_len = carry.lengths - (k - 1) + jnp.minimum(num_acc_B, k - 1)
-        pending = 1 + (num_acc_B == k).astype(jnp.int32)
+        d_len = carry.lengths - fed + jnp.minimum(num_acc_B, fed)
+        pending = 1 + (num_acc_B > fed).astype(jnp.int32)
         return (
             carry.replace(lengths=keep(d_len, state.dcache.lengths)),
-            keep(x_BK[:, -1], state.prev),
+            keep(jnp.take(x_BK, fed, axis=1), state.prev),
             keep(pending, state.draft_pending),
             (),
         )
@@ -176,13 +177,13 @@ class FeatureDrafter:
         logits, h, cache = merge(dgd, dparams).decode(x_B[:, None], h_BE[:, None], act_B, cache)
         return logits[:, 0], (cache, h[:, 0])
 
-    def after_round(self, state, carry, fused_BWE, *, k, x_BK, num_acc_B, next_B, active_B):
+    def after_round(self, state, carry, fused_BWE, *, fed, x_BK, num_acc_B, next_B, active_B):
         """fused_BWE: the features of `last`, x_1..x_k -> (cache rolled back to the entries fed
         true features, prev, pending n + 1, the new feed)."""
         cache, _ = carry
         keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-        d_len = cache.lengths - (k - 1)  # the proposals were fed self-states: dropped
-        i = jnp.arange(k + 1)[None, :]
+        d_len = cache.lengths - fed  # the proposals were fed self-states: dropped
+        i = jnp.arange(x_BK.shape[1] + 1)[None, :]
         padded = jnp.concatenate([x_BK, jnp.zeros_like(x_BK[:, :1])], axis=1)
         tokens = jnp.where(i < num_acc_B[:, None], padded, jnp.where(i == num_acc_B[:, None],
                            next_B[:, None], 0))  # fmt: skip

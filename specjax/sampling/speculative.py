@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models import KVCache, init_cache, split
-from specjax.sampling import common, drafters, guards
+from specjax.sampling import common, drafters, guards, proposals
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -32,11 +32,11 @@ from specjax.sampling.transforms import (
     is_greedy,
     transform_logits,
 )
-from specjax.sampling.verify import verify, verify_greedy
+from specjax.sampling.verify import stop_at, take_position, verify, verify_greedy
 
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
 # exactness tests can show their statistics reject them (negative controls).
-_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft')
+_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal')
 
 
 @struct.dataclass
@@ -67,6 +67,7 @@ class SpeculativeState:
     row_rounds: jax.Array
     row_examined_per_position: jax.Array
     row_accepted_per_position: jax.Array
+    row_drafted: Any = None  # [B] proposals made (chain sampler; k per round without a stop)
     nonfinite_target: jax.Array = False  # defaults: states built outside the samplers
     nonfinite_draft: jax.Array = False
     dfeed: Any = ()
@@ -89,6 +90,7 @@ def speculative_sample(
     draft_vocab_ids=None,
     draft_rules=None,
     check_finite: bool = True,
+    stop_below: float | None = None,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
 
@@ -103,7 +105,9 @@ def speculative_sample(
     Prompt ids outside [0, vocab_size) raise ValueError before compiling; non-finite logits of
     either model raise guards.NonFiniteLogitsError naming it after the call (stats
     `nonfinite_target` / `nonfinite_draft`; specjax.sampling.guards). `check_finite=False`
-    turns the in-loop check off (cost measurement only).
+    turns the in-loop check off (cost measurement only). `stop_below` h in [0, 1]: a row stops
+    proposing in a round after a proposal its draft gives probability < h (at most k;
+    specjax.sampling.proposals); the output law is unchanged.
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = split(draft)
@@ -120,6 +124,7 @@ def speculative_sample(
         draft_vocab_ids=draft_vocab_ids,
         draft_rules=draft_rules,
         check_finite=check_finite,
+        stop_below=stop_below,
     )
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
@@ -139,6 +144,7 @@ def make_speculative_fn(
     draft_rules=None,
     dynamic_sampling: bool = False,
     check_finite: bool = True,
+    stop_below: float | None = None,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -162,6 +168,7 @@ def make_speculative_fn(
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
     acc = as_acceptance(acceptance)
+    stop_below = proposals.check_stop_below(stop_below)
     if _bug not in _BUGS:
         raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
     mesh = common.default_mesh() if mesh is None else mesh
@@ -180,6 +187,7 @@ def make_speculative_fn(
         _bug,
         bool(check_finite),
         drafter,
+        stop_below,
     )
     return program.with_sampling(sampling, dynamic_sampling)
 
@@ -187,7 +195,7 @@ def make_speculative_fn(
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
     target_graphdef, draft_graphdef, k, max_new, eos_id, mesh, rules, draft_rules, acc, vocab, bug,
-    check_finite, drafter,
+    check_finite, drafter, stop_below,
 ):  # fmt: skip
     def check(width):
         for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
@@ -207,6 +215,7 @@ def _cached_fn(
         layout=(mesh, rules, draft_rules),
         check_finite=check_finite,
         drafter=drafter,
+        stop_below=stop_below,
     )
     models = (
         ('target', target_graphdef, rules, 'rules'),
@@ -219,7 +228,7 @@ def _cached_fn(
 
 def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, sampling, *, k, max_new, eos_id,
-    acc, vocab, bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER,
+    acc, vocab, bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
 ):  # fmt: skip
     """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
     batch, width = prompts.shape
@@ -238,6 +247,7 @@ def _speculative_core(
         tcache=tcache, dcache=dcache, last=prompts[rows, prompt_lengths - 1], prev=zeros,
         draft_pending=zeros + 1, out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
+        row_drafted=zeros,
         row_examined_per_position=jnp.zeros((batch, k), jnp.int32),
         row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
         **guards.initial_flags(), dfeed=dfeed,
@@ -245,6 +255,7 @@ def _speculative_core(
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, max_new=max_new, sampling=sampling,
         eos_id=eos_id, acc=acc, vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter,
+        stop_below=stop_below,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
@@ -254,83 +265,39 @@ def _speculative_core(
     )
 
 
-def _propose(
-    dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug, check_finite=True,
-    drafter,
-):  # fmt: skip
-    """Draft catch-up then k proposals -> (x [B, k], q [B, k, V] they were drawn from, the
-    drafter's carry after x_{k-1}, whether any of the k draft logits of an active row was
-    non-finite).
-
-    k draft calls in all: the catch-up (1-2 valid tokens) gives q_1, feeding x_1..x_{k-1} gives
-    q_2..q_k; x_k is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax
-    and the returned q_i is its one-hot. x and q are in the target's vocabulary.
-    Greedy: x_i is the argmax and q zeros (greedy verification ignores it; a [B, k, 1]
-    placeholder when greediness is static).
-    """
-    act = active.astype(jnp.int32)
-    nonfinite = lambda lg: guards.any_nonfinite(lg, active, check_finite)
-    logits, carry = drafter.catch_up(dgd, dparams, state, active, vocab)
-
-    greedy = is_greedy(sampling)
-    q_width = 1 if greedy is True else vocab.target_vocab  # static greedy: a placeholder q
-
-    def argmax(uniform_B, logits):  # as inverse_cdf of the one-hot would draw; q is unused
-        x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return vocab.token(x), jnp.zeros((x.shape[0], q_width), jnp.float32)
-
-    def sample(uniform_B, logits):
-        q = transform_logits(logits, sampling)
-        if acc.rule == 'argmax_draft':
-            x = jnp.argmax(q, axis=-1).astype(jnp.int32)
-            q = jax.nn.one_hot(x, q.shape[-1], dtype=q.dtype)
-        elif bug == 'bf16_draft':
-            # reduce_precision: XLA may elide a bf16 round trip (excess precision).
-            bf16 = jax.lax.reduce_precision(logits, exponent_bits=8, mantissa_bits=7)
-            x = inverse_cdf(transform_logits(bf16, sampling), uniform_B)
-        else:
-            x = inverse_cdf(q, uniform_B)
-        return vocab.token(x), vocab.expand(q)
-
-    def draw(uniform_B, logits):
-        return branch(greedy, argmax, sample, uniform_B, vocab.restrict(logits))
-
-    def step(carry, uniform_B):
-        logits, dcarry, bad = carry
-        x, q = draw(uniform_B, logits)
-        logits, dcarry = drafter.step(dgd, dparams, dcarry, x, act, vocab)
-        return (logits, dcarry, bad | nonfinite(logits)), (x, q)
-
-    uniform_KB, carry = uniform_BK.T, (logits, carry, nonfinite(logits))
-    (logits, carry, bad), (xs, qs) = jax.lax.scan(step, carry, uniform_KB[: k - 1])
-    x_last, q_last = draw(uniform_KB[k - 1], logits)
-    x_BK = jnp.concatenate([xs.T, x_last[:, None]], axis=1)
-    q_BKV = jnp.concatenate([jnp.swapaxes(qs, 0, 1), q_last[:, None]], axis=1)
-    return x_BK, q_BKV, carry, bad
-
-
 def _round(
     tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, acc, vocab, bug,
-    check_finite=True, drafter,
+    check_finite=True, drafter, stop_below=None,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
     # One draw per round; its disjoint slices are independent streams for the draft samples,
     # the acceptance tests and the residual/bonus draw.
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
-    x_BK, q_BKV, dcarry, draft_bad = _propose(
-        dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
-        vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter,
+    x_BK, q_BKV, m, fed, dcarry, draft_bad = proposals.propose(
+        drafter, dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
+        vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below,
     )  # fmt: skip
 
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
     logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
     greedy = is_greedy(sampling)
 
+    def stopped(verified, bonus):  # rows that proposed m < k: bonus(p_{m+1} [B, V]) [B]
+        if stop_below is None:
+            return verified
+        return stop_at(*verified, m, bonus(take_position(logits, m)))
+
+    def greedy_test(logits):
+        best = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)
+        return stopped(verify_greedy(logits, x_BK), best)
+
     def test(logits):  # the acceptance rule on the transformed p and q
         p_BKV = transform_logits(logits, sampling)
-        if bug is None:
-            return verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
+        if bug in (None, 'stop_drops_proposal'):
+            verified = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
+            draw = lambda lg: inverse_cdf(transform_logits(lg, sampling), noise[:, -1])
+            return stopped(verified, draw)
         extra = {}
         if bug == 'residual_untransformed':
             extra['residual_p_BKV'] = jax.nn.softmax(logits / sampling.temperature, axis=-1)
@@ -340,7 +307,7 @@ def _round(
         return verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
 
     # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
-    num_acc, next_token = branch(greedy, lambda lg: verify_greedy(lg, x_BK), test, logits)
+    num_acc, next_token = branch(greedy, greedy_test, test, logits)
     target_bad = guards.any_nonfinite(logits, active, check_finite)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
@@ -351,13 +318,13 @@ def _round(
     # Proposals count as examined/accepted only where they sit inside the row's output.
     i = jnp.arange(k)[None, :]
     counted = (i < count[:, None]) & active[:, None]
-    examined = (i < jnp.minimum(num_acc + 1, k)[:, None]) & counted
+    examined = (i < jnp.minimum(num_acc + 1, m)[:, None]) & counted
     accepted = (i < num_acc[:, None]) & counted
 
     # Roll back: the target keeps last + x_1..x_n; the drafter rolls its draft back.
     keep = lambda new, old: jnp.where(active, new, old)
     dcache, prev, draft_pending, dfeed = drafter.after_round(
-        state, dcarry, drafter.fuse(dgd, dparams, features), k=k, x_BK=x_BK,
+        state, dcarry, drafter.fuse(dgd, dparams, features), fed=fed, x_BK=x_BK,
         num_acc_B=num_acc, next_B=next_token, active_B=active,
     )  # fmt: skip
     return SpeculativeState(
@@ -371,6 +338,7 @@ def _round(
         done=state.done | (active & ((emitted >= max_new) | hit_eos)),
         round=state.round + 1,
         row_rounds=state.row_rounds + act,
+        row_drafted=state.row_drafted + m * act,
         row_examined_per_position=state.row_examined_per_position + examined,
         row_accepted_per_position=state.row_accepted_per_position + accepted,
         nonfinite_target=state.nonfinite_target | target_bad,
@@ -387,11 +355,11 @@ def _stats(state, k):
         row_accepted_per_position=state.row_accepted_per_position,
         row_examined=state.row_examined_per_position.sum(-1),
         row_accepted=state.row_accepted_per_position.sum(-1),
-        row_drafted=k * rounds,
+        row_drafted=state.row_drafted,
         row_emitted=state.emitted,
         row_rounds=rounds,
         row_target_calls=rounds + 1,
-        row_draft_calls=k * rounds + 1,
+        row_draft_calls=state.row_drafted + 1,
     )
     totals = {name[4:]: value.sum(0) for name, value in rows.items()}
     flags = {name: getattr(state, name) for name in guards.FLAG_STATS}

@@ -62,3 +62,16 @@ def verify_greedy(p_BKV, x_BK):
     best = jnp.argmax(p_BKV, axis=-1).astype(jnp.int32)
     num_accepted = leading_true(x_BK == best[:, :k])
     return num_accepted, jnp.take_along_axis(best, num_accepted[:, None], axis=1)[:, 0]
+
+
+def stop_at(num_accepted_B, next_B, m_B, bonus_B):
+    """A round whose row proposed only m [B] <= k: (min(n, m), next), where next is `bonus_B`
+    (a draw of p_{m+1}, or its argmax) for rows that kept all m. Positions past m were scored
+    but not proposed; their outcome is ignored."""
+    kept_all = num_accepted_B >= m_B
+    return jnp.where(kept_all, m_B, num_accepted_B), jnp.where(kept_all, bonus_B, next_B)
+
+
+def take_position(a_BKV, i_B):
+    """a_BKV[b, i_B[b]] -> [B, V]."""
+    return _take(a_BKV, i_B)
