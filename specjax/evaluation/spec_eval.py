@@ -7,8 +7,10 @@ domain, prompt length and generated length), wall time per generated token (comp
 time, warm-up excluded), measured speedup = autoregressive time per token / speculative time per
 token, predicted speedup = tau / (k c + v(k)) (specjax.sampling.stats.round_cost) with c and v(k)
 measured here (specjax.sampling.calibrate), their ratio, the optimal k, and peak memory. alpha is
-measured from logits on the target's own autoregressive samples of the same prompts (the
-distribution speculative decoding reproduces).
+the configured acceptance rule's acceptance probability (config.eval.acceptance; sum min(p, q)
+for `probabilistic`, p(argmax q) for `argmax_draft`, ...: stats.alpha_per_position), measured
+from logits on the target's own autoregressive samples of the same prompts (the distribution
+speculative decoding reproduces), and E[tau], the predicted speedups and the optimal k use it.
 
 Entry point: `run(config, workdir)` (mode 'spec_eval'); writes <workdir>/spec_eval.json and
 <workdir>/results.json, holding the workdir lock, and refuses (before loading anything) a workdir

@@ -1,6 +1,12 @@
 """spec_eval's points for one sampling setting: autoregressive and speculative (every k) decoding,
 compiled ahead of time, timed round-robin, alpha re-scored from the target's own samples.
 
+alpha is the configured acceptance rule's per-position acceptance probability
+(stats.alpha_per_position with config.eval.acceptance: sum min(p, q) only for `probabilistic`),
+so E[tau], the predicted speedups and the optimal k all predict the rule that was measured. For a
+lossy rule (lenient, typical) the rule's own output drifts from the target's, whose samples alpha
+is scored on: there the prediction is an approximation.
+
 `evaluate_sampling` returns the setting's runs (one autoregressive, one per k: acceptance
 statistics, measured speedup, predicted speedup = tau / stats.round_cost(k, c, v) from the
 calibration), its buckets (BUCKET_KEYS) and its optimal-k record; specjax.evaluation.spec_eval
@@ -105,15 +111,16 @@ def _time_points(run_alls: dict, records: dict, repeats: int, floor_s: float) ->
 
 
 def _alpha_columns(
-    target, draft, prompts: Prompts, outputs, sampling, batch_size: int, vocab_ids=None
+    target, draft, prompts: Prompts, outputs, sampling, batch_size: int, acc, vocab_ids=None
 ):
-    """Per-row alpha sums and counts [N] over the generated positions of `outputs`."""
+    """Per-row sums and counts [N] of rule `acc`'s alpha over the generated positions of
+    `outputs`."""
     alpha_sum = np.zeros(len(prompts))
     alpha_count = np.zeros(len(prompts), np.int64)
     for (rows, tokens, lengths), (_, out) in zip(prompts.batches(batch_size), outputs):
         # Whole (padded) batches: one compile for every batch.
         alpha, mask = st.alpha_of_sequences(
-            target, draft, tokens, lengths, out.tokens, out.lengths, sampling, vocab_ids
+            target, draft, tokens, lengths, out.tokens, out.lengths, sampling, vocab_ids, acc
         )
         n = len(rows)
         alpha_sum[rows], alpha_count[rows] = alpha[:n].sum(1), mask[:n].sum(1)
@@ -178,8 +185,9 @@ def evaluate_sampling(
     floor_s = float(ev.get('timing_floor_s', 0.0))
     per_token = _time_points(run_alls, records, int(ev.timing_repeats), floor_s)
 
+    vocab_ids = common.get('draft_vocab_ids')
     alpha_cols = _alpha_columns(
-        target, draft, prompts, outputs['ar'], sampling, batch, common.get('draft_vocab_ids')
+        target, draft, prompts, outputs['ar'], sampling, batch, acceptance(ev), vocab_ids
     )
     alpha = st.safe_ratio(alpha_cols[0].sum(), alpha_cols[1].sum())
     tags = dict(sampling=sampling.to_dict(), sampling_label=label, acceptance=acceptance(ev).label)
@@ -215,7 +223,7 @@ def evaluate_sampling(
             speedup['value'],
             runs[-1]['predicted_speedup'],
         )
-    return runs, buckets, _optimal(alpha, cal, runs[1:])
+    return runs, buckets, dict(_optimal(alpha, cal, runs[1:]), acceptance=tags['acceptance'])
 
 
 def _spec_run(record, table, k, cal, speedup, outputs, batch, tags) -> dict:
@@ -246,7 +254,8 @@ def _spec_run(record, table, k, cal, speedup, outputs, batch, tags) -> dict:
 
 
 def _optimal(alpha, cal, spec: list[dict]) -> dict:
-    """The setting's optimal-k record: predicted from alpha and the calibration, and measured."""
+    """The setting's optimal-k record: predicted from the rule's alpha and the calibration, and
+    measured."""
     finite_alpha = alpha if np.isfinite(alpha) else 0.0
     return {
         'alpha': alpha,

@@ -97,6 +97,7 @@ def table_markdown(result: dict) -> str:
     for label, o in result['optimal_k'].items():
         lines.append(
             f'{label}: optimal k predicted {o["predicted_optimal_k"]} '
-            f'(alpha {fmt(o["alpha"])}), best measured {o["best_measured_k"]}'
+            f'(alpha {fmt(o["alpha"])}, {o.get("acceptance", "probabilistic")}), '
+            f'best measured {o["best_measured_k"]}'
         )
     return '\n'.join(lines)

@@ -2,7 +2,9 @@
 measured run: decode prompt batches, tabulate per-row statistics, predict the speedup. A point
 carries stats.summarize's names (acceptance_rate, accepted_fraction, block_efficiency = tau, ...)
 plus round_cost = k c + v(k) (NaN without a calibration), predicted_speedup = tau / round_cost
-and predicted_speedup_from_alpha = expected_block_efficiency / round_cost.
+and predicted_speedup_from_alpha = expected_block_efficiency / round_cost, where alpha (the
+alpha_sum / alpha_count columns) must be the decoding rule's own acceptance probability
+(stats.alpha_per_position with that rule's `acceptance`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def decode_batches(fn, params, batches, rng, host_local: bool = False) -> list:
 def row_table(outputs, columns=None) -> dict[str, np.ndarray]:
     """The per-row statistics of decode_batches' outputs (padding rows dropped) in one table.
 
-    columns(rows, lengths [n]) -> extra per-row columns (labels, alpha_sum / alpha_count).
+    columns(rows, lengths [n]) -> extra per-row columns (labels, alpha_sum / alpha_count of the
+    decoding rule's alpha).
     Outputs may be global arrays over several processes: every process gets the whole table.
     """
     tables = []

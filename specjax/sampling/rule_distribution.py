@@ -1,4 +1,5 @@
-"""Exact output distributions of the acceptance rules, by enumeration (NumPy, float64).
+"""Exact output distributions of the acceptance rules, by enumeration (NumPy, float64), and each
+rule's per-position acceptance probability.
 
 Within a round every emitted token comes from the same one-step kernel of its context's p and q,
 except the bonus after k kept proposals, which is a sample of p. So a rule's output is fixed by
@@ -6,6 +7,12 @@ except the bonus after k kept proposals, which is a sample of p. So a rule's out
 length k, and `rule_joint` enumerates the joint of the first m tokens over every context from
 per-context p and q alone. `tv_from_target` is the rules' distance from the target; for exact
 rules it is 0 up to rounding, which the tests check against the target's own joint.
+
+The kept part's mass is the rule's acceptance probability alpha (sum_x q(x) keep(x)):
+`acceptance_probability` is that one function, for NumPy and for jax.numpy (jitted callers such
+as stats.alpha_per_position), and every prediction from alpha (E[tau], speedup, optimal k) uses
+it. Per rule: probabilistic sum min(p, q); argmax_draft p(argmax q); strict sum p q;
+lenient(eps) sum min(p / eps, q); typical sum_x q(x) [p(x) > min(threshold, a exp(-H(p)))].
 """
 
 from __future__ import annotations
@@ -22,27 +29,51 @@ def _normalise_or(r, fallback):
     return np.where(mass >= _EPS, r / np.where(mass >= _EPS, mass, 1.0), fallback)
 
 
+def _proposal_and_keep(p, q, acc: Acceptance, xp):
+    """(q' [..., V] the distribution proposals are drawn from, keep [..., V] = P(keep | x)) of
+    rule `acc`, in array module xp (numpy or jax.numpy); the sampler's side is
+    acceptance.verify_rule (and speculative's argmax proposal)."""
+    if acc.rule == 'argmax_draft':
+        q = (xp.arange(q.shape[-1]) == xp.argmax(q, -1)[..., None]).astype(p.dtype)
+    safe_q = xp.where(q > 0, q, 1.0)
+    if acc.rule in ('probabilistic', 'argmax_draft', 'lenient'):
+        eps = acc.lenience if acc.rule == 'lenient' else 1.0
+        keep = xp.where(q > 0, xp.minimum(1.0, p / (eps * safe_q)), 0.0)
+    elif acc.rule == 'strict':
+        keep = p
+    else:  # typical
+        logp = xp.log(xp.where(p > 0, p, 1.0))
+        ent = -(p * logp).sum(-1, keepdims=True)
+        cut = xp.minimum(acc.typical_threshold, acc.typical_alpha * xp.exp(-ent))
+        keep = (p > cut).astype(p.dtype)
+    return q, keep
+
+
+def acceptance_probability(p, q, acceptance: Acceptance | str = 'probabilistic', xp=np):
+    """alpha [...]: P(a proposal is kept) at one position under `acceptance`, = step_kernel's
+    kept.sum(-1). p, q [..., V] the transformed target and draft distributions (q as the draft
+    samples from: argmax_draft takes its argmax here); xp: numpy (float64 in, float64 out) or
+    jax.numpy (traceable: for jitted code). Clipped to [0, 1]: a rule that keeps every proposal
+    (lenient, typical) sums q, which rounding can put a few ulp above 1."""
+    acc = as_acceptance(acceptance)
+    if xp is np:
+        p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    if p.shape != q.shape:
+        raise ValueError(f'acceptance_probability: p {p.shape} and q {q.shape} differ in shape')
+    q, keep = _proposal_and_keep(p, q, acc, xp)
+    return xp.clip((q * keep).sum(-1), 0.0, 1.0)
+
+
 def step_kernel(p, q, acceptance: Acceptance | str = 'probabilistic'):
     """One position's output split in two: (kept [..., V], replaced [..., V]), summing to a dist.
 
     kept[y] = P(the proposal is y and is kept); replaced[y] = P(a proposal is rejected and the
     replacement is y). p, q [..., V] are the transformed target and draft distributions.
+    kept.sum(-1) is `acceptance_probability`.
     """
     acc = as_acceptance(acceptance)
     p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
-    if acc.rule == 'argmax_draft':
-        q = (np.arange(q.shape[-1]) == np.argmax(q, -1)[..., None]).astype(np.float64)
-    safe_q = np.where(q > 0, q, 1.0)
-    if acc.rule in ('probabilistic', 'argmax_draft', 'lenient'):
-        eps = acc.lenience if acc.rule == 'lenient' else 1.0
-        keep = np.where(q > 0, np.minimum(1.0, p / (eps * safe_q)), 0.0)
-    elif acc.rule == 'strict':
-        keep = p
-    else:  # typical
-        logp = np.log(np.where(p > 0, p, 1.0))
-        ent = -(p * logp).sum(-1, keepdims=True)
-        cut = np.minimum(acc.typical_threshold, acc.typical_alpha * np.exp(-ent))
-        keep = (p > cut).astype(np.float64)
+    q, keep = _proposal_and_keep(p, q, acc, np)
     kept = q * keep
     reject_x = q * (1.0 - keep)  # [..., V]: P(proposal x, rejected)
     if acc.rule == 'strict':

@@ -8,7 +8,10 @@ reduces counts first and divides last, so buckets and batches combine exactly:
   acceptance_per_position  conditional: accepted at i / examined at i;
                            unconditional: accepted at i / rounds
   block_efficiency (tau)   tokens emitted per target call excluding prefill, over active rounds
-  alpha                    sum_v min(p_v, q_v) from logits after the sampling transform
+  alpha                    the acceptance rule's per-position acceptance probability from logits
+                           after the sampling transform (rule_distribution.acceptance_probability:
+                           sum_v min(p_v, q_v) for probabilistic, p(argmax q) for argmax_draft,
+                           ...); every prediction below takes the alpha of the rule it predicts
   expected_block_efficiency  Leviathan: (1 - alpha^(k+1)) / (1 - alpha)
   predicted_speedup        tau / (k c + v(k))
 
@@ -157,12 +160,17 @@ def optimal_k(alpha: float, c: float, v: Mapping[int, float]) -> int:
 # ---------------------------------------------------------------- alpha from logits
 
 
-def alpha_per_position(target_logits, draft_logits, sampling):
-    """Per-position alpha [...]: sum_v min(p_v, q_v) of the transformed float32 distributions.
+def alpha_per_position(target_logits, draft_logits, sampling, acceptance='probabilistic'):
+    """Per-position alpha [...]: the probability that rule `acceptance` keeps a proposal
+    (rule_distribution.acceptance_probability of the transformed float32 distributions; for the
+    default `probabilistic` sum_v min(p_v, q_v)).
 
-    Logits [..., V]. At temperature 0 it is argmax agreement (1.0 or 0.0). `sampling`: a
-    SamplingConfig or its traced form (`SamplingConfig.traced`: one compile for every setting).
+    Logits [..., V]. At temperature 0 every rule is greedy verification: argmax agreement (1.0
+    or 0.0). `sampling`: a SamplingConfig or its traced form (`SamplingConfig.traced`: one
+    compile for every setting). `acceptance`: a rule name, dict or Acceptance (static).
     """
+    from specjax.sampling.acceptance import as_acceptance
+    from specjax.sampling.rule_distribution import acceptance_probability
     from specjax.sampling.transforms import branch, is_greedy, transform_logits
 
     if target_logits.shape != draft_logits.shape:
@@ -170,18 +178,19 @@ def alpha_per_position(target_logits, draft_logits, sampling):
             f'alpha: target logits {target_logits.shape} and draft logits '
             f'{draft_logits.shape} differ in shape (vocab mismatch?)'
         )
+    acc = as_acceptance(acceptance)
     t32 = jnp.asarray(target_logits, jnp.float32)
     d32 = jnp.asarray(draft_logits, jnp.float32)
     agree = lambda t, d: (jnp.argmax(t, -1) == jnp.argmax(d, -1)).astype(jnp.float32)
-    overlap = lambda t, d: jnp.sum(
-        jnp.minimum(transform_logits(t, sampling), transform_logits(d, sampling)), axis=-1
+    kept = lambda t, d: acceptance_probability(
+        transform_logits(t, sampling), transform_logits(d, sampling), acc, xp=jnp
     )
-    return branch(is_greedy(sampling), agree, overlap, t32, d32)
+    return branch(is_greedy(sampling), agree, kept, t32, d32)
 
 
-def alpha_from_logits(target_logits, draft_logits, sampling, mask=None):
-    """Mean alpha over positions (where mask [...] is true): float32 scalar."""
-    a = alpha_per_position(target_logits, draft_logits, sampling)
+def alpha_from_logits(target_logits, draft_logits, sampling, mask=None, acceptance='probabilistic'):
+    """Mean alpha of rule `acceptance` over positions (where mask [...] is true): float32."""
+    a = alpha_per_position(target_logits, draft_logits, sampling, acceptance)
     if mask is None:
         return jnp.mean(a)
     m = jnp.asarray(mask, jnp.float32)
@@ -306,20 +315,30 @@ def _plain(x):
 
 
 def alpha_of_sequences(
-    target, draft, prompts, prompt_lengths, tokens, lengths, sampling, draft_vocab_ids=None
+    target,
+    draft,
+    prompts,
+    prompt_lengths,
+    tokens,
+    lengths,
+    sampling,
+    draft_vocab_ids=None,
+    acceptance='probabilistic',
 ):
     """alpha at every generated position, by re-scoring prompt + generated tokens with both models.
 
     prompts int32 [B, P] right-padded with lengths [B]; tokens int32 [B, N] generated, lengths
     [B]. Returns (alpha [B, N] float32, mask [B, N] bool = position generated): alpha[b, j] is
-    sum_v min(p_v, q_v) of the distributions generated token j was drawn from (its context is
-    the prompt and tokens[b, :j]). When max_new_tokens <= k no emitted token is a bonus token, so
+    rule `acceptance`'s acceptance probability (alpha_per_position; sum_v min(p_v, q_v) for the
+    default) of the distributions generated token j was drawn from (its context is the prompt
+    and tokens[b, :j]). When max_new_tokens <= k no emitted token is a bonus token, so
     these positions are exactly the examined ones. `draft_vocab_ids`: a reduced-vocabulary
     draft (specjax.sampling.draft_vocab): its q is mapped onto the target's vocabulary (0 off
     the set) before alpha is taken.
     """
     from specjax.models import split
     from specjax.parallel.distributed import to_host
+    from specjax.sampling.acceptance import as_acceptance
     from specjax.sampling.draft_vocab import check_draft_vocab
 
     t_graphdef, t_params = split(target)
@@ -340,6 +359,7 @@ def alpha_of_sequences(
         d_graphdef,
         n,
         vocab,
+        as_acceptance(acceptance),
         t_params,
         d_params,
         jnp.asarray(seq),
@@ -350,11 +370,11 @@ def alpha_of_sequences(
     return np.where(mask, to_host(alpha), 0.0), mask  # to_host: rows may span processes
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _alpha_of_sequences(
-    t_graphdef, d_graphdef, n, vocab, t_params, d_params, seq_BL, p_len_B, sampling
+    t_graphdef, d_graphdef, n, vocab, acc, t_params, d_params, seq_BL, p_len_B, sampling
 ):
-    """[B, n] alpha at the positions predicting generated tokens 0..n-1."""
+    """[B, n] rule acc's alpha at the positions predicting generated tokens 0..n-1."""
     from specjax.models import apply
 
     idx_BN = p_len_B[:, None] - 1 + jnp.arange(n)[None, :]
@@ -364,4 +384,4 @@ def _alpha_of_sequences(
     if vocab.ids is not None:  # [.., N] -> [.., V]: effectively -inf off the set (q = 0 there)
         full = jnp.full((*q_logits.shape[:-1], vocab.target_vocab), -1e9, jnp.float32)
         q_logits = full.at[..., jnp.asarray(vocab.ids, jnp.int32)].set(q_logits)
-    return alpha_per_position(p_logits, q_logits, sampling)
+    return alpha_per_position(p_logits, q_logits, sampling, acc)
