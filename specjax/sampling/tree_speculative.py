@@ -4,8 +4,9 @@ call scoring every node, exact multi-candidate verification, and per-row KV comp
 Per round and row: the draft catches up on the 1-2 tokens it has not consumed (giving q at the
 root) and expands the tree level by level, one cached call per depth < D over that depth's nodes
 (ancestor-only mask, position = prefix length + depth), which gives q at every node with
-children. Children are drawn i.i.d. from their parent's q (with replacement); at T = 0 they are
-the draft's top-ranked tokens in rank order. The target scores the root token and all N nodes in
+children. Children are drawn from their parent's q without replacement (default) or i.i.d.
+(`siblings`, specjax.sampling.siblings); at T = 0 they are the draft's top-ranked tokens in rank
+order. The target scores the root token and all N nodes in
 one (N + 1)-token cached call with the same mask and positions.
 
 Verification (SpecInfer, Miao et al. ASPLOS 2024, Alg. 2 "multi-step speculative sampling";
@@ -13,10 +14,11 @@ the tree form of Leviathan et al. 2023): at node u with target dist p = p_u and 
 test its children c_1, c_2, ... in rank order; child c_i is accepted with probability
 min(1, p(c_i) / q_u(c_i)); on rejection p <- norm(max(0, p - q_u)) before testing c_{i+1}; the
 first accepted child becomes u and the walk descends; if every child is rejected the round emits
-a sample of the last p (a node without children emits a sample of p_u: the bonus token). Because
-siblings are i.i.d. draws from q_u, each test is one step of speculative sampling from q_u
-towards the current p, whose rejection law is exactly the next residual, so by induction the
-emitted token follows p_u exactly (SpecInfer Thm. 4.2). Greedy: descend into the first child
+a sample of the last p (a node without children emits a sample of p_u: the bonus token). With
+i.i.d. siblings each test is one step of speculative sampling from q_u towards the current p,
+whose rejection law is exactly the next residual, so by induction the emitted token follows p_u
+exactly (SpecInfer Thm. 4.2); without replacement q_u is replaced by the sibling's own q_r
+(recursive rejection sampling, specjax.sampling.siblings). Greedy: descend into the first child
 equal to argmax p_u, else emit argmax p_u.
 
 The target keeps the root token and the accepted path's entries (gathered into place per row);
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 from specjax.models import apply_cached, init_cache, split
 from specjax.models.kv_cache import gather_window
 from specjax.sampling import common, drafters, guards
+from specjax.sampling import siblings as sib
 from specjax.sampling import tree as tr
 from specjax.sampling.speculative import SpeculativeState
 from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
@@ -41,14 +44,15 @@ from specjax.sampling.verify import residual
 
 # Deliberately wrong sibling rules for the negative-control tests (private `_bug`):
 # 'stale_residual': siblings tested against p_u itself, emit norm(max(0, p_u - q_u)) if all fail;
-# 'unmodified_p': siblings tested against p_u, emit a sample of p_u if all fail.
-_BUGS = (None, 'stale_residual', 'unmodified_p')
+# 'unmodified_p': siblings tested against p_u, emit a sample of p_u if all fail;
+# 'fixed_q': siblings drawn without replacement but tested against the fixed q_u (the iid rule).
+_BUGS = (None, 'stale_residual', 'unmodified_p', 'fixed_q')
 
 
 def tree_speculative_sample(
     target, draft, prompts, prompt_lengths, *, tree, max_new_tokens: int,
     sampling: SamplingConfig, rng, eos_id=None, mesh=None, rules=None, draft_rules=None,
-    check_finite: bool = True,
+    check_finite: bool = True, siblings: str = 'without_replacement',
 ) -> common.SampleOutput:  # fmt: skip
     """Samples max_new_tokens per row from `target`'s distribution with a draft token `tree`.
 
@@ -56,22 +60,24 @@ def tree_speculative_sample(
     in place of num_draft_tokens; stats are per depth (k = D) and `drafted` counts N nodes a
     round. `mesh`, `rules` and `draft_rules` as in `speculative_sample`, and so are the guards
     (prompt ids, plus child ranks >= vocab_size, refused before compiling; non-finite logits
-    raise guards.NonFiniteLogitsError naming the model; `check_finite`).
+    raise guards.NonFiniteLogitsError naming the model; `check_finite`). `siblings`:
+    'without_replacement' (distinct siblings, recursive rejection sampling) or 'iid'.
     """
     fn = make_tree_speculative_fn(
         split(target)[0], split(draft)[0], tree=tree, max_new_tokens=max_new_tokens,
         sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules, draft_rules=draft_rules,
-        check_finite=check_finite,
+        check_finite=check_finite, siblings=siblings,
     )  # fmt: skip
     return fn(split(target)[1], split(draft)[1], prompts, prompt_lengths, rng)
 
 
 def make_tree_speculative_fn(
     target_graphdef, draft_graphdef, *, tree, max_new_tokens: int, sampling: SamplingConfig,
-    eos_id=None, mesh=None, rules=None, draft_rules=None, check_finite: bool = True, _bug=None,
+    eos_id=None, mesh=None, rules=None, draft_rules=None, check_finite: bool = True,
+    siblings: str = 'without_replacement', _bug=None,
 ):  # fmt: skip
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
-    tree = tr.check_tree(tree)
+    tree, siblings = tr.check_tree(tree), sib.check_siblings(siblings)
     if drafters.drafter_for(
         target_graphdef, draft_graphdef, 'tree_speculative_sample'
     ).feature_layers:
@@ -91,12 +97,14 @@ def make_tree_speculative_fn(
     rules = common.normalize_rules(rules)
     return _cached_fn(
         target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh, rules,
-        common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite),
+        common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite), siblings,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check):
+def _cached_fn(
+    tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check, siblings
+):  # fmt: skip
     n = len(tree)
 
     def fits(width):
@@ -108,7 +116,7 @@ def _cached_fn(tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rul
 
     core = functools.partial(
         _tree_core, tgd, dgd, tree=tree, max_new=max_new, sampling=sampling, eos_id=eos_id,
-        bug=bug, layout=(mesh, rules, draft_rules), check_finite=check,
+        bug=bug, layout=(mesh, rules, draft_rules), check_finite=check, siblings=siblings,
     )  # fmt: skip
     models = (('target', tgd, rules, 'rules'), ('draft', dgd, draft_rules, 'draft_rules'))
     return common.ShardedSampler(core, mesh, rules, fits, models, name='tree_speculative_sample')
@@ -155,11 +163,11 @@ def tree_mask(ancestor_NM, lengths_B, capacity: int):
     return (rel < 0)[:, None, :] | (inside[:, None, :] & jnp.swapaxes(tree_part, 0, 1))
 
 
-def _children(q_BWV, logits_BWV, parents, ranks, uniform_BC, sampling, top):
+def _children(q_BWV, logits_BWV, parents, ranks, uniform_BC, sampling, top, siblings):
     """Tokens [B, C] of C children whose parents index the W nodes of q_BWV / logits_BWV."""
     if sampling.greedy:
         return _top_ranked(logits_BWV, top)[:, parents, ranks]
-    return inverse_cdf(q_BWV[:, parents], uniform_BC)
+    return sib.draw_children(q_BWV, parents, ranks, uniform_BC, siblings)
 
 
 def _top_ranked(logits_BWV, top: int):
@@ -173,7 +181,7 @@ def _top_ranked(logits_BWV, top: int):
     return jnp.stack(ranked, axis=-1)
 
 
-def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling, check_finite):
+def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling, check_finite, siblings):
     """Catch-up, then one draft call per depth < D -> (node tokens [B, N], q [B, F + 1, V] at the
     root and the fed nodes, draft cache with the F fed nodes written after the context, whether
     the draft's logits of an active row were non-finite)."""
@@ -192,7 +200,7 @@ def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling, check_fini
         parents = t.parent[s:e] - first
         toks = _children(
             level_q, level_logits, parents, t.rank[s:e], uniform_BN[:, s - 1 : e - 1], sampling,
-            t.top,
+            t.top, siblings,
         )  # fmt: skip
         tokens.append(toks)
         if d == t.max_depth - 1:
@@ -208,7 +216,7 @@ def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling, check_fini
     return jnp.concatenate(tokens, axis=1), jnp.concatenate(qs, axis=1), dcache, bad
 
 
-def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug):
+def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug, siblings):
     """Verification walk -> (path [B, D] accepted node ids (0 past the end), accepted [B],
     next token [B], tested [B, D] whether depth d + 1 was tested)."""
     batch = p_BNV.shape[0]
@@ -226,7 +234,7 @@ def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug):
         tested.append(alive & (kids[:, 0] >= 0))
         p_u = p_BNV[rows, node]
         q_u = q_BFV[rows, jnp.minimum(node, q_BFV.shape[1] - 1)]
-        p_cur, found, chosen = p_u, jnp.zeros_like(alive), node
+        p_cur, q_cur, found, chosen = p_u, q_u, jnp.zeros_like(alive), node
         for r in range(children.shape[1]):
             c = kids[:, r]
             valid = alive & ~found & (c >= 0)
@@ -234,13 +242,17 @@ def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug):
             if greedy:
                 ok = x == best[rows, node]
             else:
-                p_test = p_u if bug else p_cur
+                valid = valid & sib.has_mass(q_cur)  # an exhausted q proposes nothing
+                p_test = p_cur if bug in (None, 'fixed_q') else p_u
                 u = uniform_BN[rows, jnp.maximum(c, 1) - 1]
-                ok = u * q_u[rows, x] < p_test[rows, x]
-                if bug is None:
-                    p_cur = jnp.where((valid & ~ok)[:, None], residual(p_cur, q_u), p_cur)
+                ok = u * q_cur[rows, x] < p_test[rows, x]
+                rejected = (valid & ~ok)[:, None]
+                if bug in (None, 'fixed_q'):
+                    p_cur = jnp.where(rejected, residual(p_cur, q_cur), p_cur)
                 elif bug == 'stale_residual':
-                    p_cur = jnp.where((valid & ~ok)[:, None], residual(p_u, q_u), p_cur)
+                    p_cur = jnp.where(rejected, residual(p_u, q_u), p_cur)
+                if bug != 'fixed_q':
+                    q_cur = jnp.where(rejected, sib.remaining(q_cur, x, siblings), q_cur)
             chosen = jnp.where(valid & ok, c, chosen)
             found = found | (valid & ok)
         stopping = alive & ~found
@@ -257,14 +269,15 @@ def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug):
 
 
 def _round(
-    tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_id, bug, check_finite
+    tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_id, bug, check_finite,
+    siblings,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
     n, depth = t.num_nodes, t.max_depth
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * n + 1))
     tok_BN, q_BFV, dcache, draft_bad = _draft_tree(
-        dgd, dparams, state, noise[:, :n], active, t, sampling, check_finite
+        dgd, dparams, state, noise[:, :n], active, t, sampling, check_finite, siblings
     )
 
     tcache = state.tcache
@@ -276,7 +289,7 @@ def _round(
     # Greedy walks only need argmax p = argmax of the logits (transform_logits is a one-hot).
     p_BNV = logits if sampling.greedy else transform_logits(logits, sampling)
     path, num_acc, next_token, tested = _walk(
-        t, p_BNV, q_BFV, tok_BN, noise[:, n:-1], noise[:, -1], sampling.greedy, bug
+        t, p_BNV, q_BFV, tok_BN, noise[:, n:-1], noise[:, -1], sampling.greedy, bug, siblings
     )
 
     # Emit the path's tokens and the replacement/bonus, cut at eos and at max_new_tokens.
