@@ -1,8 +1,10 @@
 """Target features (the hidden state after chosen blocks, what a feature draft reads): equal to a
 block-by-block recomputation, the same from the full forward and from cached decoding, the same
 with scanned layers, free when not asked (the logits program is unchanged) and refused when a
-layer is out of range. The feature draft (specjax.models.feature_draft): sized from its target,
-refusing targets it cannot read, cached decoding equal to its forward."""
+layer is out of range. The feature draft (specjax.models.feature_draft, EAGLE-3's layer; its
+equality to vLLM's forward is tests/test_interop_eagle3.py): sized from its target, refusing
+targets it cannot read, cached decoding equal to its forward, a custom attention mask (training-
+time test) equal to running the masked-apart segments on their own."""
 
 from __future__ import annotations
 
@@ -131,6 +133,11 @@ def test_feature_draft_config_sizes_from_the_target_and_refuses_what_does_not_fi
         FeatureDraftConfig.for_target(CFG, draft_vocab_size=99)
     with pytest.raises(ValueError, match='n_layers must be an int >= 1'):
         FeatureDraftConfig.for_target(CFG, n_layers=0)
+    nbr = FeatureDraftConfig.for_target(CFG, norm_before_residual=True)
+    assert FeatureDraftConfig.from_dict(nbr.to_dict()) == nbr
+    assert 'norm_before_residual' not in cfg.to_dict()  # older configs' dicts stay identical
+    with pytest.raises(ValueError, match="norm_before_residual must be a bool, got 'yes'"):
+        FeatureDraftConfig.for_target(CFG, norm_before_residual='yes')
     other = Transformer(dataclasses.replace(CFG, d_model=48, head_dim=None), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match='differs from FeatureDraftConfig.target'):
         from_target(other, cfg, rngs=nnx.Rngs(0))
@@ -161,3 +168,43 @@ def test_feature_draft_reads_fused_target_features_and_caches_like_its_forward(m
         got.append(lg)
     np.testing.assert_allclose(jnp.concatenate(got, 1), logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(st, state[:, :prompt], rtol=1e-4, atol=1e-4)
+
+
+def test_feature_draft_mask_separates_segments_as_running_them_apart(model):
+    """An explicit causal mask is the default; a block-diagonal mask (positions restarting per
+    segment) gives each segment what running it alone gives, the state fed back included."""
+    draft = _draft(model, n_layers=2)
+    b, t, cut = 2, 9, 4
+    tokens = _tokens(b, t, seed=4)
+    feats = jax.random.normal(jax.random.key(5), (b, t, CFG.d_model))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
+    default = draft(tokens, feats)
+    explicit = draft(tokens, feats, mask=causal)
+    for a, c in zip(default, explicit):
+        np.testing.assert_array_equal(a, c)
+    seg = jnp.arange(t) >= cut
+    mask = causal & (seg[:, None] == seg[None, :])[None]
+    positions = jnp.broadcast_to(jnp.where(seg, jnp.arange(t) - cut, jnp.arange(t)), (b, t))
+    logits, state = draft(tokens, feats, positions, mask)
+    for lo, hi in ((0, cut), (cut, t)):
+        alone_logits, alone_state = draft(tokens[:, lo:hi], feats[:, lo:hi])
+        np.testing.assert_allclose(logits[:, lo:hi], alone_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(state[:, lo:hi], alone_state, rtol=1e-5, atol=1e-5)
+
+
+def test_entry_zero_is_seen_by_itself_only(model):
+    """(c_0, zero feature) has no counterpart in vLLM's and SGLang's drafts: changing it changes
+    entry 0's output and nothing after it, uncached and cached alike."""
+    draft = _draft(model)
+    b, t = 2, 7
+    tokens = _tokens(b, t, seed=6)
+    feats = jax.random.normal(jax.random.key(7), (b, t, CFG.d_model))
+    other_tokens = tokens.at[:, 0].set((tokens[:, 0] + 1) % CFG.vocab_size)
+    other_feats = feats.at[:, 0].set(1.0)
+    (la, sa), (lb, sb) = draft(tokens, feats), draft(other_tokens, other_feats)
+    assert not np.allclose(la[:, 0], lb[:, 0])
+    np.testing.assert_array_equal(la[:, 1:], lb[:, 1:])
+    np.testing.assert_array_equal(sa[:, 1:], sb[:, 1:])
+    cache = draft.init_cache(b, capacity=16)
+    lc, _, _ = draft.decode(other_tokens, other_feats, jnp.full((b,), t), cache)
+    np.testing.assert_allclose(lc[:, 1:], lb[:, 1:], rtol=1e-5, atol=1e-5)

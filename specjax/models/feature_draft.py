@@ -1,14 +1,23 @@
-"""A draft that reads the target's hidden states (EAGLE-3's shape), Flax NNX.
+"""EAGLE-3's Llama draft (the layer vLLM's and SGLang's `llama_eagle3.py` load), Flax NNX.
 
-Inputs per position t: the embedding of token x_{t+1} (the target's table, frozen by default)
-and a feature f_t of width E: either the fused target features, fc(concat of the target's hidden
-states after the blocks `feature_layers` at t) [B, T, n, E] -> [B, T, E], or, past the first
-proposed token where the target has not scored t yet, the draft's own output state at t
-(feature-level autoregression). combine(concat(embed, f)) [B, T, 2E] -> [B, T, E] then
-`n_layers` decoder blocks with their own KV cache, a final norm, and a head over the draft's
+Positions. Draft entry t pairs the context token c_t with the target feature f_{t-1}: the fused
+target hidden state after the target consumed c_{t-1} (f_{-1} = zeros); entry t predicts
+c_{t+1}. Past the target's last scored position the draft's own output state at t-1 stands in
+for f_{t-1} (feature-level autoregression). vLLM and SGLang feed the same pairs (their draft
+entry j is (c_{j+1}, h_j)) at RoPE position j, i.e. one below this module's default position t
+for the same pair: a uniform offset, which RoPE's relative scores do not see. They have no
+(c_0, zeros) entry, so here entry 0 is seen by itself only (every mask, given or default, hides
+key position 0 from queries at positions > 0): it gives q_1 for a one-token prompt and leaves
+every later entry's output as the loaders compute it.
+
+Per entry: fuse_features turns the target's hidden states after the blocks `feature_layers`
+[B, T, n, E] into f = fc(concat) [B, T, E]; the first layer (specjax.models.eagle3_layer:
+input_norm(embed(c_t)) and hidden_norm(f) concatenated [2E] into attention, residual f, then a
+Llama MLP), n_layers - 1 standard Llama blocks, a final norm and a head over the draft's
 vocabulary: the full target vocabulary, or the N ids of a reduced map (the `draft_vocab_ids` of
-specjax.sampling.draft_vocab, draft index i = target id ids[i]). The state after the blocks
-(before the final norm) is the draft's output feature, fed back at the next position.
+specjax.sampling.draft_vocab, draft index i = target id ids[i]). The residual stream before the
+final norm is the output state, fed back at the next entry. specjax.interop.eagle3 writes and
+reads this draft in the loaders' checkpoint format.
 
 `FeatureDraftConfig.for_target(target_config, feature_layers=..., n_layers=1,
 draft_vocab_size=None)` sizes the draft from its target and refuses, naming the field, a target
@@ -25,6 +34,7 @@ from flax import nnx
 
 from specjax.models import kv_cache as kvc
 from specjax.models.config import TransformerConfig
+from specjax.models.eagle3_layer import Eagle3FirstLayer
 from specjax.models.layers import RMSNorm, param
 from specjax.models.transformer import Block
 
@@ -50,13 +60,16 @@ class FeatureDraftConfig:
     """target: the target's TransformerConfig (width, heads, RoPE and vocabulary come from it);
     feature_layers: the target blocks whose outputs are fused (>= 3 distinct, in range);
     n_layers: the draft's decoder blocks; draft_vocab_size: None (the target's vocabulary) or
-    N of a reduced map; freeze_embedding: train without updating the copied target embedding."""
+    N of a reduced map; freeze_embedding: train without updating the copied target embedding;
+    norm_before_residual: the first layer's residual is hidden_norm(f) instead of f (a vLLM
+    option; SGLang has only False)."""
 
     target: TransformerConfig
     feature_layers: tuple[int, ...]
     n_layers: int = 1
     draft_vocab_size: int | None = None
     freeze_embedding: bool = True
+    norm_before_residual: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, 'feature_layers', tuple(int(i) for i in self.feature_layers))
@@ -87,16 +100,23 @@ class FeatureDraftConfig:
                 f'FeatureDraftConfig.draft_vocab_size={v!r}: must be None or an int in [1, '
                 f'target vocab_size={self.target.vocab_size}]'
             )  # fmt: skip
+        if not isinstance(self.norm_before_residual, bool):
+            raise ValueError(
+                'FeatureDraftConfig.norm_before_residual must be a bool, got '
+                f'{self.norm_before_residual!r}'
+            )
 
     @classmethod
     def for_target(cls, target_config: TransformerConfig, *, feature_layers=None, n_layers=1,
-                   draft_vocab_size=None, freeze_embedding=True) -> FeatureDraftConfig:  # fmt: skip
+                   draft_vocab_size=None, freeze_embedding=True,
+                   norm_before_residual=False) -> FeatureDraftConfig:  # fmt: skip
         """The draft for `target_config`; feature_layers default: default_feature_layers."""
         if feature_layers is None:
             feature_layers = default_feature_layers(target_config.n_layers)
         return cls(
-            target_config, tuple(feature_layers), n_layers, draft_vocab_size, freeze_embedding
-        )
+            target_config, tuple(feature_layers), n_layers, draft_vocab_size, freeze_embedding,
+            norm_before_residual,
+        )  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -118,7 +138,7 @@ class FeatureDraftConfig:
             'n_layers': self.n_layers,
             'draft_vocab_size': self.draft_vocab_size,
             'freeze_embedding': self.freeze_embedding,
-        }
+        } | ({'norm_before_residual': True} if self.norm_before_residual else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> FeatureDraftConfig:
@@ -127,8 +147,9 @@ class FeatureDraftConfig:
 
 
 class FeatureDraft(nnx.Module):
-    """EAGLE-3-shaped draft (module docstring). Token inputs are target ids; logits float32 over
-    config.vocab_size."""
+    """EAGLE-3's Llama draft (module docstring). Token inputs are target ids; logits float32
+    over config.vocab_size. Parameters: embed [V, E] (the target's), fuse [n*E, E] (fc),
+    first (Eagle3FirstLayer), blocks (n_layers - 1 Llama blocks), final_norm, lm_head [E, V_d]."""
 
     def __init__(self, config: FeatureDraftConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -136,57 +157,77 @@ class FeatureDraft(nnx.Module):
         n = len(config.feature_layers)
         self.embed = param(rngs, (t.vocab_size, e), ('vocab', 'embed'), t.param_dtype)
         self.fuse = param(rngs, (n * e, e), ('mlp', 'embed'), t.param_dtype)
-        self.combine = param(rngs, (2 * e, e), ('mlp', 'embed'), t.param_dtype)
-        self.blocks = nnx.List([Block(config.decoder, rngs=rngs) for _ in range(config.n_layers)])
+        self.first = Eagle3FirstLayer(
+            config.decoder, norm_before_residual=config.norm_before_residual, rngs=rngs
+        )
+        self.blocks = nnx.List(
+            [Block(config.decoder, rngs=rngs) for _ in range(config.n_layers - 1)]
+        )
         self.final_norm = RMSNorm(e, t.norm_eps, t.param_dtype, rngs=rngs)
         self.lm_head = param(rngs, (e, config.vocab_size), ('embed', 'vocab'), t.param_dtype)
 
     def fuse_features(self, target_features_BTNE):
-        """Target features [B, T, n, E] (Transformer(..., feature_layers=...)) -> [B, T, E]."""
+        """Target features [B, T, n, E] (Transformer(..., feature_layers=...)) -> [B, T, E]:
+        fc(concat over n, in feature_layers order)."""
         b, t, n, e = target_features_BTNE.shape
         x = target_features_BTNE.reshape(b, t, n * e).astype(self.config.target.dtype)
         return x @ self.fuse[...].astype(x.dtype)
 
-    def _step_input(self, tokens_BT, features_BTE):
+    def _layers(self, tokens_BT, features_BTE, positions, mask, kvs=None, lengths=None):
+        """All layers -> (output state [B, T, E], per-layer (k, v) list)."""
         dtype = self.config.target.dtype
         emb = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
-        x = jnp.concatenate([emb, features_BTE.astype(dtype)], -1)
-        return x @ self.combine[...].astype(dtype)
+        kvs = kvs or [None] * self.config.n_layers
+        x, kv0 = self.first(emb, features_BTE.astype(dtype), positions, mask, kvs[0], lengths)
+        out = [kv0]
+        for i, block in enumerate(self.blocks, start=1):
+            x, kv = block(x, positions, mask, kvs[i], lengths)
+            out.append(kv)
+        return x, out
+
+    @staticmethod
+    def _hide_entry_zero(mask_BTS, query_positions_BT, key_positions_BS):
+        """mask without key position 0 for queries at positions > 0 (module docstring)."""
+        zero_key = key_positions_BS[:, None, :] == 0
+        return mask_BTS & ~(zero_key & (query_positions_BT[:, :, None] > 0))
 
     def _head(self, h_BTE):
         x = self.final_norm(h_BTE)
         w = self.lm_head[...].astype(x.dtype)
         return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, features, positions=None):
-        """tokens int32 [B, T] (x_{t+1}), features [B, T, E] (f_t) -> (logits float32 [B, T, V_d],
-        output state [B, T, E]); causal over the T positions."""
-        b, t = tokens.shape
+    def __call__(self, tokens_BT, features_BTE, positions=None, mask=None):
+        """tokens int32 [B, T] (c_t), features [B, T, E] (f_{t-1}) -> (logits float32
+        [B, T, V_d], output state [B, T, E]). positions int32 [B, T] default 0..T-1; mask bool
+        [B, T, T] (query t sees key s) default causal, e.g. a training-time-test mask; key
+        position 0 is hidden from later positions in either case."""
+        b, t = tokens_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
-        x = self._step_input(tokens, features)
-        for block in self.blocks:
-            x, _ = block(x, positions, mask)
+        if mask is None:
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
+        mask = self._hide_entry_zero(mask, positions, positions)
+        x, _ = self._layers(tokens_BT, features_BTE, positions, mask)
         return self._head(x), x
 
     def init_cache(self, batch_size: int, capacity: int) -> kvc.KVCache:
-        """An empty KV cache for the draft's own blocks."""
+        """An empty KV cache for the draft's n_layers layers."""
         return kvc.init_cache(self.config.decoder, batch_size, capacity)
 
     def decode(self, tokens, features, num_valid, cache: kvc.KVCache, positions=None, mask=None):
         """Cached call: tokens [B, T], features [B, T, E], num_valid [B] -> (logits [B, T, V_d],
         output state [B, T, E], cache), as Transformer.decode (written at each row's length,
-        advanced by num_valid)."""
+        advanced by num_valid; positions default length + t, mask bool [B, T, capacity]
+        default causal over the cache)."""
         b, t = tokens.shape
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         if mask is None:
             mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
-        x = self._step_input(tokens, features)
+        slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, cache.capacity))
+        mask = self._hide_entry_zero(mask, positions, slots)  # slot s holds entry s
         kvs = list(zip(cache.k, cache.v))
-        for i, block in enumerate(self.blocks):
-            x, kvs[i] = block(x, positions, mask, kvs[i], cache.lengths)
+        x, kvs = self._layers(tokens, features, positions, mask, kvs, cache.lengths)
         ks, vs = zip(*kvs)
         lengths = cache.lengths + jnp.asarray(num_valid, jnp.int32)
         return self._head(x), x, kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
