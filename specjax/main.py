@@ -45,6 +45,7 @@ MODES = {
     'pretrain': 'specjax.train.pretrain:pretrain',
     'distill': 'specjax.distill.distill_mode:run_distill',
     'cotrain': 'specjax.distill.cotrain:run_cotrain',
+    'feature_draft': 'specjax.distill.feature_mode:run_feature_draft',
     'spec_eval': 'specjax.evaluation.spec_eval:run',
     'sweep': 'specjax.sweeps.runner:run',
     'quickstart': 'specjax.quickstart.pipeline:run',

@@ -146,16 +146,21 @@ def validate_distill_section(d, mode: str) -> None:
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f'config.distill.eval_ks must be ints >= 1, got {ks!r}')
     if mode == 'distill':
-        if not d.teacher_workdir:
-            raise ValueError(
-                "config.distill.teacher_workdir is not set (got ''): distill needs "
-                'the workdir of a trained target'
-            )
-        if not os.path.isdir(os.path.join(os.path.expanduser(d.teacher_workdir), 'checkpoints')):
-            raise ValueError(
-                f'config.distill.teacher_workdir={d.teacher_workdir!r} has no checkpoints/ '
-                'folder: train the target first (mode pretrain) or fix the path'
-            )
+        check_teacher_workdir(d, mode)
+
+
+def check_teacher_workdir(d, mode: str) -> None:
+    """ValueError unless config.distill.teacher_workdir is set and holds checkpoints/."""
+    if not d.teacher_workdir:
+        raise ValueError(
+            f"config.distill.teacher_workdir is not set (got ''): {mode} needs "
+            'the workdir of a trained target'
+        )
+    if not os.path.isdir(os.path.join(os.path.expanduser(d.teacher_workdir), 'checkpoints')):
+        raise ValueError(
+            f'config.distill.teacher_workdir={d.teacher_workdir!r} has no checkpoints/ '
+            'folder: train the target first (mode pretrain) or fix the path'
+        )
 
 
 def needed_len(d, data_seq_len: int) -> int:
@@ -197,3 +202,107 @@ def sampling_config(config) -> SamplingConfig:
 def loss_identity(config) -> dict:
     """The config.distill fields a resumed run must match (loss, source, generation)."""
     return {k: config.distill[k] for k in _IDENTITY_FIELDS}
+
+
+# ---------------------------------------------------------------- the feature_draft mode
+
+FEATURE_SECTIONS = ('mode', 'seed', 'data', 'train', 'sampling', 'mesh', 'distill', 'feature')
+FEATURE_SOURCES = ('teacher', 'dataset')  # the draft cannot generate on its own (no on_policy)
+FEATURE_DISTILL_FIELDS = (
+    'teacher_workdir',
+    'teacher_step',
+    'divergence',
+    'beta',
+    'source',
+    'prompt_len',
+    'max_new_tokens',
+)
+
+
+def default_feature_distill_config() -> ml_collections.ConfigDict:
+    """config.distill of the feature_draft mode: the target, the loss's divergence and the data
+    (FEATURE_DISTILL_FIELDS, defaults as the distill mode's; source 'teacher')."""
+    full = default_distill_config()
+    c = ml_collections.ConfigDict({k: full[k] for k in FEATURE_DISTILL_FIELDS})
+    c.source = 'teacher'  # teacher: the target's continuations of data prompts | dataset
+    return c
+
+
+def default_feature_config() -> ml_collections.ConfigDict:
+    """config.feature: the EAGLE-3-shaped draft and its training-time-test loss."""
+    c = ml_collections.ConfigDict()
+    c.feature_layers = ()  # target blocks fused (>= 3 distinct); () = low / mid / high
+    c.n_layers = 1  # the draft's decoder blocks
+    c.ttt_steps = 3  # unrolled draft steps (1 = true target features only)
+    c.step_decay = 0.8  # step j of the unroll weighs step_decay ** j, in (0, 1]
+    c.vocab_file = ''  # JSON with 'ids' (target ids, most frequent first); '' = full vocabulary
+    c.vocab_size = 0  # the first vocab_size ids of vocab_file (0 = all of them)
+    c.freeze_embedding = True  # keep the embedding copied from the target fixed
+    return c
+
+
+def feature_row_lengths(config) -> tuple[int, ...]:
+    """Lengths of the rows the feature draft trains and evaluates on (the TTT unroll's T)."""
+    d = config.distill
+    rows = (config.data.seq_len,)
+    return rows + ((d.prompt_len + d.max_new_tokens,) if d.source == 'teacher' else ())
+
+
+def validate_feature_draft_config(config) -> None:
+    """Checks a feature_draft config before anything is read or built (the target-dependent
+    checks, feature_layers in range and the vocabulary, follow once its metadata is read)."""
+    check_keys(config, FEATURE_SECTIONS, 'config')
+    missing = sorted(set(FEATURE_SECTIONS) - set(config.keys()))
+    if missing:
+        raise ValueError(f'Missing config section(s) {[f"config.{k}" for k in missing]}')
+    if config.mode != 'feature_draft':
+        raise ValueError(f"config.mode={config.mode!r} but this is the 'feature_draft' mode")
+    validate_train_config(config.train)
+    SamplingConfig.from_dict(config.sampling)
+    check_mesh_config(config.mesh)
+    d, f = config.distill, config.feature
+    check_keys(d, FEATURE_DISTILL_FIELDS, 'config.distill')
+    if d.divergence not in DIVERGENCES or d.divergence in ON_POLICY_ONLY:
+        known = sorted(set(DIVERGENCES) - ON_POLICY_ONLY)
+        raise ValueError(f'config.distill.divergence={d.divergence!r} is not one of {known}')
+    if d.source not in FEATURE_SOURCES:
+        raise ValueError(
+            f'config.distill.source={d.source!r} must be one of {list(FEATURE_SOURCES)}'
+        )
+    _check_unit(d.beta, 'config.distill.beta')
+    for name in ('prompt_len', 'max_new_tokens'):
+        _check_int(d[name], f'config.distill.{name}', 1)
+    _check_int(config.data.seq_len, 'config.data.seq_len', 2)
+    check_keys(f, default_feature_config().keys(), 'config.feature')
+    layers = tuple(f.feature_layers)
+    if layers and (
+        any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
+        or len(set(layers)) != len(layers)
+        or len(layers) < 3
+    ):
+        raise ValueError(
+            f'config.feature.feature_layers={layers!r} must be () or >= 3 distinct block indices'
+        )
+    _check_int(f.n_layers, 'config.feature.n_layers', 1)
+    _check_int(f.ttt_steps, 'config.feature.ttt_steps', 1)
+    shortest = min(feature_row_lengths(config))
+    if f.ttt_steps >= shortest:
+        raise ValueError(
+            f"config.feature.ttt_steps={f.ttt_steps} must be below the training rows' length "
+            f'{shortest} (config.data.seq_len / distill.prompt_len + max_new_tokens)'
+        )
+    decay = f.step_decay
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
+        raise ValueError(f'config.feature.step_decay must be in (0, 1], got {decay!r}')
+    _check_int(f.vocab_size, 'config.feature.vocab_size', 0)
+    if f.vocab_size and not f.vocab_file:
+        raise ValueError(
+            f"config.feature.vocab_size={f.vocab_size} needs config.feature.vocab_file (got '')"
+        )
+    if f.vocab_file and not os.path.isfile(os.path.expanduser(f.vocab_file)):
+        raise ValueError(f'config.feature.vocab_file={f.vocab_file!r} is not a file')
+    if not isinstance(f.freeze_embedding, bool):
+        raise ValueError(
+            f'config.feature.freeze_embedding must be True or False, got {f.freeze_embedding!r}'
+        )
+    check_teacher_workdir(d, 'feature_draft')
