@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 from flax import nnx
 
-from specjax.models import Transformer, TransformerConfig
+from specjax.distill.feature_mode import CONFIG_KEY as FEATURE_CONFIG_KEY
+from specjax.distill.feature_mode import load_feature_draft
+from specjax.models import FeatureDraft, FeatureDraftConfig, Transformer, TransformerConfig
 from specjax.parallel.mesh import mesh_rules
 
 
@@ -46,7 +49,7 @@ def check_identities(
         )
 
 
-DRAFT_VOCAB_FILE = 'draft_vocab.json'  # written by specjax.distill.reduced_train
+DRAFT_VOCAB_FILE = 'draft_vocab.json'  # written by specjax.distill.reduced_train, feature_mode
 
 
 def draft_vocab_ids(workdir: str) -> list[int] | None:
@@ -58,8 +61,9 @@ def draft_vocab_ids(workdir: str) -> list[int] | None:
         return [int(i) for i in json.load(f)['ids']]
 
 
-def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
-    """(target, draft, info): from checkpoints, or random-init when config.random_init."""
+def load_models(config, tok, mesh) -> tuple[Transformer, Transformer | FeatureDraft, dict]:
+    """(target, draft, info): from checkpoints, or random-init when config.random_init. A
+    draft_workdir of mode feature_draft gives a FeatureDraft (specjax.distill.feature_mode)."""
     if config.random_init:
         t_cfg = TransformerConfig.from_dict(config.model)
         d_cfg = TransformerConfig.from_dict(config.draft)
@@ -78,6 +82,10 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
         for wd in (config.target_workdir, config.draft_workdir):
             with Checkpoints(wd, read_only=True) as ckpts:
                 metas.append(ckpts.metadata())
+        feature = FEATURE_CONFIG_KEY in metas[1]  # a feature_draft workdir (EAGLE-3 draft)
+        if feature:
+            vocab_size = FeatureDraftConfig.from_dict(metas[1][FEATURE_CONFIG_KEY]).vocab_size
+            metas[1] = dict(metas[1], model_config={'vocab_size': vocab_size})
         ids = draft_vocab_ids(config.draft_workdir)
         check_identities(
             *metas,
@@ -87,13 +95,16 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
         )
         rules, draft_rules = mesh_rules(config.mesh)
         target, t_meta = load_model(config.target_workdir, mesh=mesh, rules=rules)
-        draft, d_meta = load_model(
-            config.draft_workdir,
-            mesh=mesh,
-            rules=draft_rules,
-            params_key=config.draft_params_key,
-            config_key=config.draft_config_key,
-        )
+        if feature:  # params on the default device; the sampler places them on the mesh
+            draft, d_meta = load_feature_draft(config.draft_workdir)[0], metas[1]
+        else:
+            draft, d_meta = load_model(
+                config.draft_workdir,
+                mesh=mesh,
+                rules=draft_rules,
+                params_key=config.draft_params_key,
+                config_key=config.draft_config_key,
+            )
         info = {
             'source': 'checkpoints',
             'target_workdir': config.target_workdir,
@@ -112,6 +123,13 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer, dict]:
             )
     info.update(
         target=dict(target.config.to_dict(), num_params=target.config.num_params),
-        draft=dict(draft.config.to_dict(), num_params=draft.config.num_params),
+        draft=dict(draft.config.to_dict(), num_params=num_params(draft)),
     )
     return target, draft, info
+
+
+def num_params(model) -> int:
+    """Parameter count of a Transformer (its config's) or a FeatureDraft (its arrays')."""
+    if isinstance(model, FeatureDraft):
+        return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    return int(model.config.num_params)

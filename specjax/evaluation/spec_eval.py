@@ -31,7 +31,7 @@ from specjax import jsonio
 from specjax import workdir as workdir_lib
 from specjax.data import build_tokenizer
 from specjax.evaluation import intervals, measure
-from specjax.evaluation.pairs import draft_vocab_ids, load_models
+from specjax.evaluation.pairs import FEATURE_CONFIG_KEY, draft_vocab_ids, load_models
 from specjax.evaluation.prompts import make_prompts
 from specjax.evaluation.spec_eval_sampling import BUCKET_KEYS, acceptance, evaluate_sampling
 from specjax.evaluation.spec_eval_summary import headline, table_markdown
@@ -103,6 +103,8 @@ def model_max_lens(config) -> dict[str, tuple[int, str]]:
             _, meta = ckpts.newest_readable(ckpts.metadata)  # as load_model: skip broken steps
         finally:
             ckpts.close()
+        if name == 'draft' and FEATURE_CONFIG_KEY in meta:  # a feature draft: its target's
+            meta = {key: meta[FEATURE_CONFIG_KEY]['target']}
         if key not in meta:
             raise ValueError(f'config.{field}={config[field]!r}: its checkpoint has no {key!r}')
         out[name] = (int(meta[key]['max_len']), f'the {name} checkpoint in config.{field}')

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import Transformer, apply_cached, check_capacity, init_cache, split
+from specjax.models import Transformer, apply_cached, check_capacity, init_cache, merge, split
+from specjax.sampling import common as sampling_common
+from specjax.sampling import drafters
 
 
 @dataclasses.dataclass
@@ -67,6 +69,17 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def _cached_step(graphdef, params, tokens_BT, num_valid_B, cache):
+    """One cached call -> (logits, cache); a feature draft reads zero features (its cost does
+    not depend on their values)."""
+    if drafters.feature_config_of(graphdef) is None:
+        return apply_cached(graphdef, params, tokens_BT, num_valid_B, cache)
+    model = merge(graphdef, params)
+    features = jnp.zeros((*tokens_BT.shape, model.config.target.d_model), jnp.float32)
+    logits, _, cache = model.decode(tokens_BT, features, num_valid_B, cache)
+    return logits, cache
+
+
 @functools.lru_cache(maxsize=64)
 def _loop_fn(graphdef, iters: int):
     """Jitted (params, tokens [B, T], cache) -> tokens: `iters` cached calls at one position."""
@@ -76,7 +89,7 @@ def _loop_fn(graphdef, iters: int):
 
         def body(_, carry):
             toks, c = carry
-            logits, new_c = apply_cached(graphdef, params, toks, num_valid, c)
+            logits, new_c = _cached_step(graphdef, params, toks, num_valid, c)
             return jnp.argmax(logits, -1).astype(jnp.int32), new_c.replace(lengths=c.lengths)
 
         return jax.lax.fori_loop(0, iters, body, (tokens, cache))[0]
@@ -87,12 +100,12 @@ def _loop_fn(graphdef, iters: int):
 def timed_call(model, *, batch_size, num_tokens, context_len, capacity, iters, seed=0):
     """A zero-argument call running `iters` cached calls of [batch_size, num_tokens] at cache
     length context_len in one jitted loop (time it and divide by iters)."""
-    cfg = model.config
+    graphdef, params = split(model)
+    cfg = sampling_common.config_of(graphdef)  # a feature draft: its own blocks' config
     for name, value in (('batch_size', batch_size), ('num_tokens', num_tokens), ('iters', iters)):
         if value < 1:
             raise ValueError(f'calibrate: {name} must be >= 1, got {value}')
     check_capacity(capacity, context_len + num_tokens, what='calibrate')
-    graphdef, params = split(model)
     cache = init_cache(cfg, batch_size, capacity, lengths=jnp.full((batch_size,), context_len))
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, num_tokens)), jnp.int32)

@@ -350,6 +350,8 @@ def alpha_of_sequences(
     batch, width = prompts.shape
     n = tokens.shape[1]
     vocab = check_draft_vocab(draft_vocab_ids, target.config.vocab_size, draft.config.vocab_size)
+    # A feature draft's alpha here is its first proposal's (true target features); later
+    # proposals read its own states, whose acceptance the sampler's per-position counts give.
     seq = np.zeros((batch, width + n), np.int32)
     for b in range(batch):
         seq[b, : p_len[b]] = prompts[b, : p_len[b]]
@@ -375,12 +377,23 @@ def _alpha_of_sequences(
     t_graphdef, d_graphdef, n, vocab, acc, t_params, d_params, seq_BL, p_len_B, sampling
 ):
     """[B, n] rule acc's alpha at the positions predicting generated tokens 0..n-1."""
-    from specjax.models import apply
+    from specjax.models import apply, merge
+    from specjax.sampling.drafters import feature_config_of
 
     idx_BN = p_len_B[:, None] - 1 + jnp.arange(n)[None, :]
     take = lambda logits_BLV: jnp.take_along_axis(logits_BLV, idx_BN[..., None], axis=1)
-    p_logits = take(apply(t_graphdef, t_params, seq_BL))
-    q_logits = vocab.restrict(take(apply(d_graphdef, d_params, vocab.to_draft(seq_BL))))
+    feature = feature_config_of(d_graphdef)
+    if feature is None:
+        p_logits = take(apply(t_graphdef, t_params, seq_BL))
+        q_logits = vocab.restrict(take(apply(d_graphdef, d_params, vocab.to_draft(seq_BL))))
+    else:  # a feature draft reads the target's true features (its first proposal's q)
+        t_logits, features = apply(
+            t_graphdef, t_params, seq_BL, feature_layers=feature.feature_layers
+        )
+        draft = merge(d_graphdef, d_params)
+        fused = draft.fuse_features(features)
+        shifted = jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+        p_logits, q_logits = take(t_logits), vocab.restrict(take(draft(seq_BL, shifted)[0]))
     if vocab.ids is not None:  # [.., N] -> [.., V]: effectively -inf off the set (q = 0 there)
         full = jnp.full((*q_logits.shape[:-1], vocab.target_vocab), -1e9, jnp.float32)
         q_logits = full.at[..., jnp.asarray(vocab.ids, jnp.int32)].set(q_logits)
