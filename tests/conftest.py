@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import jax
 import pytest
@@ -22,3 +24,26 @@ def highest_precision():
     """float32 matmuls at full precision, so cached/uncached paths compare within 1e-5."""
     with jax.default_matmul_precision('highest'):
         yield
+
+
+def _specjax_caches():
+    """Every functools cache of a loaded specjax module (compiled samplers and steps live there)."""
+    for name, module in list(sys.modules.items()):
+        if name == 'specjax' or name.startswith('specjax.'):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, 'cache_clear', None)):
+                    yield value
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_programs():
+    """Drops each test module's compiled programs after it. One pytest process compiles
+    thousands of XLA:CPU executables and each keeps memory mappings: kept all suite long they
+    pass the kernel's per-process limit (vm.max_map_count, 65530 here; ~36k were live a third of
+    the way through) and XLA aborts the process. The persistent compilation cache makes a program
+    that a later module needs again cheap to load."""
+    yield
+    for cached in _specjax_caches():
+        cached.cache_clear()
+    jax.clear_caches()
+    gc.collect()
