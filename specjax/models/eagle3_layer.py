@@ -21,9 +21,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models import kv_cache as kvc
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import Attention, RMSNorm, SwiGLU, attend, inv_frequencies, param
+from specjax.models.layers import Attention, RMSNorm, SwiGLU, inv_frequencies, param
 
 _INIT_STD = 0.02
 
@@ -61,11 +60,6 @@ class Eagle3FirstLayer(nnx.Module):
         h = self.hidden_norm(f_BTE)
         residual = h if self.norm_before_residual else f_BTE
         x = jnp.concatenate([self.input_norm(emb_BTE), h], -1)
-        q, k, v = self.attn.project_qkv(x, positions_BT)
-        if cache_kv is not None:
-            k = kvc.write(cache_kv[0], k, lengths_B)
-            v = kvc.write(cache_kv[1], v, lengths_B)
-        s = residual + self.attn.project_out(
-            attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
-        )
-        return s + self.mlp(self.post_norm(s)), (k, v)
+        out, kv = self.attn(x, positions_BT, mask_BTS, cache_kv, lengths_B)
+        s = residual + out
+        return s + self.mlp(self.post_norm(s)), kv

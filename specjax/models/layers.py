@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.models import kv_cache as kvc
+
 _INIT_STD = 0.02
 
 
@@ -113,6 +115,15 @@ class Attention(nnx.Module):
 
     def project_out(self, out_BTHD):
         return jnp.einsum('bthd,hde->bte', out_BTHD, self.o[...].astype(self.dtype))
+
+    def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
+        """-> (output [B, T, E], (k, v)). Without cache_kv attends within the T tokens; with
+        (k, v) caches writes this call's keys and values at lengths_B and attends over them."""
+        q, k, v = self.project_qkv(x_BTE, positions_BT)
+        if cache_kv is not None:
+            k = kvc.write(cache_kv[0], k, lengths_B)
+            v = kvc.write(cache_kv[1], v, lengths_B)
+        return self.project_out(attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)), (k, v)
 
 
 class SwiGLU(nnx.Module):

@@ -8,7 +8,7 @@ from flax import nnx
 
 from specjax.models import kv_cache as kvc
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import Attention, RMSNorm, SwiGLU, attend, param
+from specjax.models.layers import Attention, RMSNorm, SwiGLU, param
 from specjax.models.layout import stack_layers
 
 
@@ -23,14 +23,9 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
         """Without cache_kv, attends within the T tokens; with (k, v) caches, writes and attends."""
-        q, k, v = self.attn.project_qkv(self.attn_norm(x_BTE), positions_BT)
-        if cache_kv is not None:
-            k = kvc.write(cache_kv[0], k, lengths_B)
-            v = kvc.write(cache_kv[1], v, lengths_B)
-        x_BTE = x_BTE + self.attn.project_out(
-            attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
-        )
-        return x_BTE + self.mlp(self.mlp_norm(x_BTE)), (k, v)
+        out, kv = self.attn(self.attn_norm(x_BTE), positions_BT, mask_BTS, cache_kv, lengths_B)
+        x_BTE = x_BTE + out
+        return x_BTE + self.mlp(self.mlp_norm(x_BTE)), kv
 
 
 class Transformer(nnx.Module):

@@ -29,7 +29,7 @@ import numbers
 import jax.numpy as jnp
 
 from specjax.sampling.transforms import inverse_cdf
-from specjax.sampling.verify import leading_true, residual
+from specjax.sampling.verify import leading_true, residual, take_position
 
 RULES = ('probabilistic', 'argmax_draft', 'strict', 'lenient', 'typical')
 EXACT_RULES = ('probabilistic', 'argmax_draft', 'strict')
@@ -90,10 +90,6 @@ def as_acceptance(acceptance) -> Acceptance:
     raise ValueError(f'acceptance must be a rule name, dict or Acceptance, got {acceptance!r}')
 
 
-def _take(a_BKV, i_B):
-    return jnp.take_along_axis(a_BKV, i_B[:, None, None], axis=1)[:, 0]
-
-
 def _at(a_BKV, x_BK):
     return jnp.take_along_axis(a_BKV, x_BK[..., None], axis=-1)[..., 0]
 
@@ -121,9 +117,11 @@ def verify_rule(acc: Acceptance, uniform_BK, uniform_B, p_BKV, q_BKV, x_BK):
         p_k = p_BKV[:, :k]
         cut = jnp.minimum(acc.typical_threshold, acc.typical_alpha * jnp.exp(-entropy(p_k)))
         n = leading_true(p_x > cut)
-        return n, inverse_cdf(_take(p_BKV, n), uniform_B)
+        return n, inverse_cdf(take_position(p_BKV, n), uniform_B)
     eps = acc.lenience if acc.rule == 'lenient' else 1.0
     n = leading_true(uniform_BK * q_x * eps < p_x)
     at = jnp.minimum(n, k - 1)
-    dist = jnp.where((n < k)[:, None], residual(_take(p_BKV, at), _take(q_BKV, at)), p_BKV[:, k])
+    dist = jnp.where(
+        (n < k)[:, None], residual(take_position(p_BKV, at), take_position(q_BKV, at)), p_BKV[:, k]
+    )
     return n, inverse_cdf(dist, uniform_B)

@@ -32,7 +32,8 @@ def residual(p_V, q_V, eps=RESIDUAL_EPS):
     return jnp.where(mass >= eps, r / jnp.where(mass >= eps, mass, 1.0), p_V)
 
 
-def _take(a_BKV, i_B):
+def take_position(a_BKV, i_B):
+    """a_BKV[b, i_B[b]] -> [B, V]."""
     return jnp.take_along_axis(a_BKV, i_B[:, None, None], axis=1)[:, 0]
 
 
@@ -50,7 +51,7 @@ def verify(uniform_BK, uniform_B, p_BKV, q_BKV, x_BK, *, residual_p_BKV=None, bo
     num_accepted = leading_true(accept_mask(p_x, q_x, uniform_BK))
     at = jnp.minimum(num_accepted, k - 1)
     res_p = p_BKV if residual_p_BKV is None else residual_p_BKV
-    res = residual(_take(res_p, at), _take(q_BKV, at))
+    res = residual(take_position(res_p, at), take_position(q_BKV, at))
     bonus = p_BKV[:, k] if bonus_BV is None else bonus_BV
     dist = jnp.where((num_accepted < k)[:, None], res, bonus)
     return num_accepted, inverse_cdf(dist, uniform_B)
@@ -70,8 +71,3 @@ def stop_at(num_accepted_B, next_B, m_B, bonus_B):
     but not proposed; their outcome is ignored."""
     kept_all = num_accepted_B >= m_B
     return jnp.where(kept_all, m_B, num_accepted_B), jnp.where(kept_all, bonus_B, next_B)
-
-
-def take_position(a_BKV, i_B):
-    """a_BKV[b, i_B[b]] -> [B, V]."""
-    return _take(a_BKV, i_B)
