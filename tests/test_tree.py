@@ -129,7 +129,7 @@ def test_tree_masked_cached_call_scores_every_path(highest_precision):
 
     from specjax.models import apply_cached, init_cache
     from specjax.sampling import tree as tr
-    from specjax.sampling.tree_speculative import tree_mask
+    from specjax.sampling.tree_walk import tree_mask
 
     target, _ = greedy_models()
     t = tr.tables(check_tree(DEEP))
@@ -159,7 +159,7 @@ def test_greedy_children_rank_like_top_k_ties_included():
     """The greedy tree's argmax passes order children exactly as lax.top_k (ties: lower index)."""
     import jax
 
-    from specjax.sampling.tree_speculative import _top_ranked
+    from specjax.sampling.siblings import top_ranked as _top_ranked
 
     rng = np.random.default_rng(0)
     tied = rng.integers(0, 4, (3, 2, 40)).astype(np.float32)  # many ties

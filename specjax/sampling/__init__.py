@@ -12,7 +12,7 @@ from specjax.sampling.transforms import (
     sample_from_probs,
     transform_logits,
 )
-from specjax.sampling.tree import chain, check_tree
+from specjax.sampling.tree import DynamicTree, chain, check_tree
 from specjax.sampling.tree_speculative import make_tree_speculative_fn, tree_speculative_sample
 from specjax.sampling.verify import residual, verify, verify_greedy
 
@@ -20,6 +20,7 @@ __all__ = [
     'EXACT_RULES',
     'RULES',
     'Acceptance',
+    'DynamicTree',
     'as_acceptance',
     'NonFiniteLogitsError',
     'PAD_ID',

@@ -12,7 +12,8 @@ Children of one node are drawn from the node's draft distribution q in rank orde
   induction the emitted token follows p. A child whose q_r has no mass left (q's support is
   exhausted, e.g. top-k below the sibling count) is never tested.
 Testing without-replacement siblings against the fixed q is biased (tests/test_tree.py's negative
-control). At T = 0 siblings are the draft's top-ranked tokens either way.
+control). At T = 0 siblings are the draft's top-ranked tokens either way (`top_ranked`), and so
+they are at every T under the `argmax_draft` rule and in dynamic trees.
 """
 
 from __future__ import annotations
@@ -61,3 +62,14 @@ def remaining(q_BV, x_B, siblings: str):
 def has_mass(q_BV):
     """[B]: whether q_BV can still propose (an exhausted without-replacement q cannot)."""
     return q_BV.sum(-1) > _EMPTY
+
+
+def top_ranked(logits_BWV, top: int):
+    """int32 [B, W, top]: the `top` largest logits' indices, largest first, ties by lower index
+    (lax.top_k's order). `top` argmax passes: XLA's CPU top_k sorts the whole vocabulary."""
+    ranked, logits = [], logits_BWV
+    for _ in range(top):
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        ranked.append(best)
+        logits = jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], -jnp.inf, logits)
+    return jnp.stack(ranked, axis=-1)

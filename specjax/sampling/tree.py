@@ -5,6 +5,9 @@ is the node reached from the root (the context's last token) by taking child ran
 and so on; every prefix of a path must be present. The chain of k proposals is
 `((0,), (0, 0), ..., (0,) * k)`. Nodes are numbered 1..N in (depth, path) order, the root is 0,
 so each depth is a contiguous range and a node's children follow it in rank order.
+
+A `DynamicTree` is a budget instead of a shape (EAGLE-2, Li et al. 2024): the sampler builds the
+tree per round and row from the draft's confidence (specjax.sampling.dynamic_tree).
 """
 
 from __future__ import annotations
@@ -14,6 +17,45 @@ import functools
 import numbers
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """An EAGLE-2 tree budget: `depth` D levels, `expand` m (each level expands the m most
+    probable frontier nodes into their m most probable children), `nodes` N of all the drafted
+    candidates are verified (the N of highest cumulative draft log-probability).
+
+    Drafts D calls a round (the catch-up and D - 1 levels of m nodes) and verifies N nodes in one
+    target call. Raises ValueError naming the field unless D, m >= 1 and 1 <= N <= m + (D - 1) m^2
+    (the candidates drafted).
+    """
+
+    depth: int
+    expand: int
+    nodes: int
+
+    def __post_init__(self):
+        for name in ('depth', 'expand', 'nodes'):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f'DynamicTree.{name} must be an int >= 1, got {v!r}')
+            object.__setattr__(self, name, int(v))
+        if self.nodes > self.candidates:
+            raise ValueError(
+                f'DynamicTree.nodes={self.nodes} exceeds the {self.candidates} candidates a '
+                f'depth={self.depth}, expand={self.expand} tree drafts (expand + (depth - 1) * '
+                'expand^2)'
+            )
+
+    @property
+    def candidates(self) -> int:
+        """M: nodes drafted a round (m at depth 1, m^2 at each deeper level)."""
+        return self.expand + (self.depth - 1) * self.expand**2
+
+    @property
+    def num_fed(self) -> int:
+        """F: nodes the draft feeds a round (the frontier of each depth < D)."""
+        return (self.depth - 1) * self.expand
 
 
 def chain(k: int) -> tuple[tuple[int, ...], ...]:

@@ -1,29 +1,23 @@
 """Token-tree speculative sampling: one jitted lax.while_loop; per round a draft tree, one target
 call scoring every node, exact multi-candidate verification, and per-row KV compaction.
 
-Per round and row: the draft catches up on the 1-2 tokens it has not consumed (giving q at the
-root) and expands the tree level by level, one cached call per depth < D over that depth's nodes
-(ancestor-only mask, position = prefix length + depth), which gives q at every node with
-children. Children are drawn from their parent's q without replacement (default) or i.i.d.
-(`siblings`, specjax.sampling.siblings); at T = 0 they are the draft's top-ranked tokens in rank
-order. The target scores the root token and all N nodes in
-one (N + 1)-token cached call with the same mask and positions.
-
-Verification (SpecInfer, Miao et al. ASPLOS 2024, Alg. 2 "multi-step speculative sampling";
-the tree form of Leviathan et al. 2023): at node u with target dist p = p_u and draft dist q_u,
-test its children c_1, c_2, ... in rank order; child c_i is accepted with probability
-min(1, p(c_i) / q_u(c_i)); on rejection p <- norm(max(0, p - q_u)) before testing c_{i+1}; the
-first accepted child becomes u and the walk descends; if every child is rejected the round emits
-a sample of the last p (a node without children emits a sample of p_u: the bonus token). With
-i.i.d. siblings each test is one step of speculative sampling from q_u towards the current p,
-whose rejection law is exactly the next residual, so by induction the emitted token follows p_u
-exactly (SpecInfer Thm. 4.2); without replacement q_u is replaced by the sibling's own q_r
-(recursive rejection sampling, specjax.sampling.siblings). Greedy: descend into the first child
-equal to argmax p_u, else emit argmax p_u.
+The tree is static (a tuple of paths, specjax.sampling.tree: every row and round alike) or
+dynamic (a `DynamicTree` budget: built per round and row from the draft's confidence,
+specjax.sampling.dynamic_tree). Per round and row the draft catches up on the 1-2 tokens it has
+not consumed (giving q at the root) and expands the tree level by level, one cached call per
+depth < D over that depth's fed nodes (ancestor-only mask, position = prefix length + depth).
+In a static tree children are drawn from their parent's q without replacement (default) or
+i.i.d. (`siblings`, specjax.sampling.siblings), or are the draft's top-ranked tokens (at T = 0,
+and at every T under `argmax_draft`). The target scores the root token and all N nodes in one
+(N + 1)-token cached call with the same mask and positions, and specjax.sampling.tree_walk
+verifies them with the chosen exact rule: `probabilistic` (SpecInfer's multi-step speculative
+sampling; static trees' default), `argmax_draft` (deterministic candidates tested with the
+current residual p; dynamic trees' default) or `strict`.
 
 The target keeps the root token and the accepted path's entries (gathered into place per row);
-the draft keeps the accepted nodes it fed; everything else is rolled back by row lengths.
-Cache invariant at the start of a round as in speculative.py.
+the draft keeps the accepted nodes it fed; everything else is rolled back by row lengths. An
+accepted node the draft did not feed (a leaf of a depth < D) is fed at the next catch-up with
+the next token (draft_pending 2). Cache invariant at the start of a round as in speculative.py.
 """
 
 from __future__ import annotations
@@ -32,41 +26,51 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.models import apply_cached, init_cache, split
-from specjax.models.kv_cache import gather_window
 from specjax.sampling import common, drafters, guards
+from specjax.sampling import dynamic_tree as dyn
 from specjax.sampling import siblings as sib
 from specjax.sampling import tree as tr
+from specjax.sampling.acceptance import as_acceptance
+from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.speculative import SpeculativeState
-from specjax.sampling.transforms import SamplingConfig, inverse_cdf, transform_logits
-from specjax.sampling.verify import residual
+from specjax.sampling.transforms import SamplingConfig, transform_logits
+from specjax.sampling.tree_walk import TREE_RULES, DraftedTree, compact, tree_mask, walk
+from specjax.sampling.verify import leading_true
 
 # Deliberately wrong sibling rules for the negative-control tests (private `_bug`):
 # 'stale_residual': siblings tested against p_u itself, emit norm(max(0, p_u - q_u)) if all fail;
 # 'unmodified_p': siblings tested against p_u, emit a sample of p_u if all fail;
-# 'fixed_q': siblings drawn without replacement but tested against the fixed q_u (the iid rule).
-_BUGS = (None, 'stale_residual', 'unmodified_p', 'fixed_q')
+# 'fixed_q': siblings drawn without replacement but tested against the fixed q_u (the iid rule);
+# 'ratio_test': a dynamic tree's top-ranked candidates tested with min(1, p/q) as if drawn from q.
+_BUGS = (None, 'stale_residual', 'unmodified_p', 'fixed_q', 'ratio_test')
 
 
 def tree_speculative_sample(
     target, draft, prompts, prompt_lengths, *, tree, max_new_tokens: int,
     sampling: SamplingConfig, rng, eos_id=None, mesh=None, rules=None, draft_rules=None,
-    check_finite: bool = True, siblings: str = 'without_replacement',
+    check_finite: bool = True, siblings: str = 'without_replacement', acceptance=None,
+    draft_vocab_ids=None,
 ) -> common.SampleOutput:  # fmt: skip
     """Samples max_new_tokens per row from `target`'s distribution with a draft token `tree`.
 
-    Same arguments and output as `speculative_sample`, with `tree` (see specjax.sampling.tree)
-    in place of num_draft_tokens; stats are per depth (k = D) and `drafted` counts N nodes a
-    round. `mesh`, `rules` and `draft_rules` as in `speculative_sample`, and so are the guards
-    (prompt ids, plus child ranks >= vocab_size, refused before compiling; non-finite logits
-    raise guards.NonFiniteLogitsError naming the model; `check_finite`). `siblings`:
-    'without_replacement' (distinct siblings, recursive rejection sampling) or 'iid'.
+    Same arguments and output as `speculative_sample`, with `tree` (paths, see
+    specjax.sampling.tree, or a `DynamicTree` budget) in place of num_draft_tokens; stats are
+    per depth (k = D) and `drafted` counts N nodes a round. `mesh`, `rules`, `draft_rules` and
+    `draft_vocab_ids` as in `speculative_sample`, and so are the guards (prompt ids, plus child
+    ranks >= the draft's vocabulary, refused before compiling; non-finite logits raise
+    guards.NonFiniteLogitsError naming the model; `check_finite`). `siblings` (static trees at
+    T > 0 under `probabilistic`): 'without_replacement' (distinct siblings, recursive rejection
+    sampling) or 'iid'. `acceptance`: an exact rule of TREE_RULES (None: `probabilistic` for a
+    static tree, `argmax_draft` for a dynamic one, whose candidates are not sampled).
     """
     fn = make_tree_speculative_fn(
         split(target)[0], split(draft)[0], tree=tree, max_new_tokens=max_new_tokens,
         sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules, draft_rules=draft_rules,
-        check_finite=check_finite, siblings=siblings,
+        check_finite=check_finite, siblings=siblings, acceptance=acceptance,
+        draft_vocab_ids=draft_vocab_ids,
     )  # fmt: skip
     return fn(split(target)[1], split(draft)[1], prompts, prompt_lengths, rng)
 
@@ -74,10 +78,11 @@ def tree_speculative_sample(
 def make_tree_speculative_fn(
     target_graphdef, draft_graphdef, *, tree, max_new_tokens: int, sampling: SamplingConfig,
     eos_id=None, mesh=None, rules=None, draft_rules=None, check_finite: bool = True,
-    siblings: str = 'without_replacement', _bug=None,
+    siblings: str = 'without_replacement', acceptance=None, draft_vocab_ids=None, _bug=None,
 ):  # fmt: skip
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
-    tree, siblings = tr.check_tree(tree), sib.check_siblings(siblings)
+    dynamic = isinstance(tree, tr.DynamicTree)
+    tree, siblings = tree if dynamic else tr.check_tree(tree), sib.check_siblings(siblings)
     if drafters.drafter_for(
         target_graphdef, draft_graphdef, 'tree_speculative_sample'
     ).feature_layers:
@@ -87,213 +92,196 @@ def make_tree_speculative_fn(
     common.check_sampling(sampling)
     t_vocab = common.config_of(target_graphdef).vocab_size
     d_vocab = common.config_of(draft_graphdef).vocab_size
-    if t_vocab != d_vocab:
-        raise ValueError(f'target vocab_size={t_vocab} differs from draft vocab_size={d_vocab}')
+    vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
-    if _bug not in _BUGS:
-        raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
-    guards.check_tree_ranks(tree, t_vocab)
+    rule = _check_rule(acceptance, dynamic)
+    bugs = (None, 'ratio_test') if dynamic else _BUGS[:-1]
+    if _bug not in bugs:
+        raise ValueError(f'_bug must be one of {bugs} for this tree, got {_bug!r}')
+    proposable = t_vocab if vocab.ids is None else len(vocab.ids)
+    if dynamic and tree.expand > proposable:
+        raise ValueError(
+            f'DynamicTree.expand={tree.expand} exceeds the {proposable} tokens the draft proposes'
+        )
+    if not dynamic:
+        guards.check_tree_ranks(tree, proposable)
     mesh = common.default_mesh() if mesh is None else mesh
     rules = common.normalize_rules(rules)
     return _cached_fn(
         target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh, rules,
         common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite), siblings,
+        rule, vocab,
     )  # fmt: skip
+
+
+def _check_rule(acceptance, dynamic: bool) -> str:
+    if acceptance is None:
+        return 'argmax_draft' if dynamic else 'probabilistic'
+    rule = as_acceptance(acceptance).rule
+    allowed = TREE_RULES[1:] if dynamic else TREE_RULES
+    if rule not in allowed:
+        why = (
+            "a dynamic tree's candidates are the draft's top-ranked tokens, not samples of q"
+            if dynamic and rule == 'probabilistic'
+            else 'lossy rules verify chains only (speculative_sample)'
+        )
+        raise ValueError(f'tree acceptance must be one of {allowed}, got {rule!r}: {why}')
+    return rule
+
+
+def _sizes(tree) -> tuple[int, int, int]:
+    """(N nodes verified, depth D, F nodes the draft feeds) of a static or dynamic tree."""
+    if isinstance(tree, tr.DynamicTree):
+        return tree.nodes, tree.depth, tree.num_fed
+    t = tr.tables(tree)
+    return t.num_nodes, t.max_depth, t.num_fed
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
-    tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check, siblings
+    tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check, siblings,
+    rule, vocab,
 ):  # fmt: skip
-    n = len(tree)
+    n, _, fed = _sizes(tree)
 
     def fits(width):
         for name, graphdef in (('target', tgd), ('draft', dgd)):
             cfg = common.config_of(graphdef)
-            common.check_fits(
-                cfg, width, max_new, n + 1, f'tree_speculative_sample {name} ({n}-node tree)'
-            )
+            who = f'tree_speculative_sample {name} ({n}-node tree)'
+            common.check_fits(cfg, width, max_new, max(n, fed) + 1, who)
 
     core = functools.partial(
         _tree_core, tgd, dgd, tree=tree, max_new=max_new, sampling=sampling, eos_id=eos_id,
         bug=bug, layout=(mesh, rules, draft_rules), check_finite=check, siblings=siblings,
+        rule=rule, vocab=vocab,
     )  # fmt: skip
     models = (('target', tgd, rules, 'rules'), ('draft', dgd, draft_rules, 'draft_rules'))
     return common.ShardedSampler(core, mesh, rules, fits, models, name='tree_speculative_sample')
 
 
-def _tree_core(tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, **kw):
-    t = tr.tables(tree)
+def _tree_core(
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, vocab, **kw
+):  # fmt: skip
+    n, depth, fed = _sizes(tree)
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
-    capacity = width + kw['max_new'] + t.num_nodes + 1
+    capacity = width + kw['max_new'] + max(n, fed) + 1
     mesh, rules, draft_rules = layout
     tcache, dcache = common.shard_caches(mesh, (
         (init_cache(common.config_of(tgd), batch, capacity), rules),
         (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
     ))  # fmt: skip
     _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
-    _, dcache = apply_cached(dgd, dparams, prompts, prompt_lengths - 1, dcache)
+    _, dcache = apply_cached(dgd, dparams, vocab.to_draft(prompts), prompt_lengths - 1, dcache)
     zeros = jnp.zeros((batch,), jnp.int32)
-    d = t.max_depth
-    out = jnp.zeros((batch, kw['max_new'] + d + 1), jnp.int32)
+    out = jnp.zeros((batch, kw['max_new'] + depth + 1), jnp.int32)
     state = SpeculativeState(
         tcache=tcache, dcache=dcache, last=prompts[jnp.arange(batch), prompt_lengths - 1],
         prev=zeros, draft_pending=zeros + 1, out=out,
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
-        row_examined_per_position=jnp.zeros((batch, d), jnp.int32),
-        row_accepted_per_position=jnp.zeros((batch, d), jnp.int32), **guards.initial_flags(),
+        row_examined_per_position=jnp.zeros((batch, depth), jnp.int32),
+        row_accepted_per_position=jnp.zeros((batch, depth), jnp.int32), **guards.initial_flags(),
     )  # fmt: skip
-    body = functools.partial(_round, tgd, dgd, tparams, dparams, rng, t=t, **kw)
+    keep_q = kw['rule'] == 'probabilistic' or kw['bug'] == 'ratio_test'
+    opts = dict(sampling=kw['sampling'], vocab=vocab, check_finite=kw['check_finite'])
+    if isinstance(tree, tr.DynamicTree):
+        draft_fn = lambda dparams, state, _, active: dyn.draft_dynamic(
+            dgd, dparams, state, active, spec=tree, keep_q=keep_q, **opts
+        )  # fmt: skip
+    else:
+        draft_fn = functools.partial(
+            _draft_static, dgd, t=tr.tables(tree), siblings=kw['siblings'], keep_q=keep_q,
+            ranked=kw['rule'] == 'argmax_draft', **opts,
+        )  # fmt: skip
+    body = functools.partial(
+        _round, tgd, tparams, dparams, rng, draft_fn=draft_fn, sizes=(n, depth, fed), **kw
+    )
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
         tokens=common.finish_tokens(state.out, state.emitted, kw['max_new']),
         lengths=state.emitted,
-        stats=_stats(state, t),
+        stats=_stats(state, n, depth),
     )
 
 
-def tree_mask(ancestor_NM, lengths_B, capacity: int):
-    """[B, N, capacity]: query node i of row b sees the committed prefix (keys < lengths[b]) and
-    the key at lengths[b] + j iff ancestor_NM[i, j] (its ancestors and itself)."""
-    m = ancestor_NM.shape[1]
-    rel = jnp.arange(capacity)[None, :] - lengths_B[:, None]  # [B, C]
-    inside = (rel >= 0) & (rel < m)
-    tree_part = jnp.asarray(ancestor_NM)[:, jnp.clip(rel, 0, m - 1)]  # [N, B, C]
-    return (rel < 0)[:, None, :] | (inside[:, None, :] & jnp.swapaxes(tree_part, 0, 1))
-
-
-def _children(q_BWV, logits_BWV, parents, ranks, uniform_BC, sampling, top, siblings):
-    """Tokens [B, C] of C children whose parents index the W nodes of q_BWV / logits_BWV."""
-    if sampling.greedy:
-        return _top_ranked(logits_BWV, top)[:, parents, ranks]
-    return sib.draw_children(q_BWV, parents, ranks, uniform_BC, siblings)
-
-
-def _top_ranked(logits_BWV, top: int):
-    """int32 [B, W, top]: the `top` largest logits' indices, largest first, ties by lower index
-    (lax.top_k's order). `top` argmax passes: XLA's CPU top_k sorts the whole vocabulary."""
-    ranked, logits = [], logits_BWV
-    for _ in range(top):
-        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        ranked.append(best)
-        logits = jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], -jnp.inf, logits)
-    return jnp.stack(ranked, axis=-1)
-
-
-def _draft_tree(dgd, dparams, state, uniform_BN, active, t, sampling, check_finite, siblings):
-    """Catch-up, then one draft call per depth < D -> (node tokens [B, N], q [B, F + 1, V] at the
-    root and the fed nodes, draft cache with the F fed nodes written after the context, whether
-    the draft's logits of an active row were non-finite)."""
+def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab, check_finite,
+                  siblings, ranked, keep_q):  # fmt: skip
+    """Catch-up, then one draft call per depth < D -> (DraftedTree, draft cache with the F fed
+    nodes written after the context and its lengths at the context, whether the draft's
+    logits of an active row were non-finite). Children are top-ranked at T = 0 or when
+    `ranked`, else drawn from their parent's q (`siblings`)."""
     act = active.astype(jnp.int32)
     logits, dcache = common.draft_catch_up(
-        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active
-    )
-    logits = logits[:, None]  # [B, 1, V]: the root
+        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
+        vocab.to_draft,
+    )  # fmt: skip
     bad = guards.any_nonfinite(logits, active, check_finite)
+    level = vocab.restrict(logits)[:, None]  # [B, 1, Vd]: the root
     base = dcache.lengths  # the context; fed node i sits at base + i - 1
     fed_ancestor = t.ancestor[1 : t.num_fed + 1, 1 : t.num_fed + 1]
-    qs, tokens = [transform_logits(logits, sampling)], []
-    level_logits, level_q, first = logits, qs[0], 0  # nodes [first, first + W) of this level
+    sampled = not (sampling.greedy or ranked)
+    level_q = transform_logits(level, sampling) if sampled or keep_q else None
+    qs, tokens, first = [level_q], [], 0  # nodes [first, first + W) of this level
     for d in range(t.max_depth):
         s, e = t.level_start[d], t.level_end[d]
-        parents = t.parent[s:e] - first
-        toks = _children(
-            level_q, level_logits, parents, t.rank[s:e], uniform_BN[:, s - 1 : e - 1], sampling,
-            t.top, siblings,
-        )  # fmt: skip
+        parents, ranks = t.parent[s:e] - first, t.rank[s:e]
+        if sampled:
+            uniform = uniform_BN[:, s - 1 : e - 1]
+            toks = sib.draw_children(level_q, parents, ranks, uniform, siblings)
+        else:
+            toks = sib.top_ranked(level, t.top)[:, parents, ranks]
         tokens.append(toks)
         if d == t.max_depth - 1:
             break
         mask = tree_mask(fed_ancestor[s - 1 : e - 1], base, dcache.capacity)
         positions = base[:, None] - 1 + jnp.asarray(t.depth[s:e])[None, :]
         cache = dcache.replace(lengths=base + s - 1)
-        level_logits, dcache = apply_cached(dgd, dparams, toks, act * 0, cache, positions, mask)
-        bad = bad | guards.any_nonfinite(level_logits, active, check_finite)
-        level_q, first = transform_logits(level_logits, sampling), s
+        inputs = vocab.to_draft(vocab.token(toks))
+        out, dcache = apply_cached(dgd, dparams, inputs, act * 0, cache, positions, mask)
+        bad = bad | guards.any_nonfinite(out, active, check_finite)
+        level, first = vocab.restrict(out), s
+        level_q = transform_logits(level, sampling) if sampled or keep_q else None
         qs.append(level_q)
-    dcache = dcache.replace(lengths=base)
-    return jnp.concatenate(tokens, axis=1), jnp.concatenate(qs, axis=1), dcache, bad
-
-
-def _walk(t, p_BNV, q_BFV, tok_BN, uniform_BN, uniform_B, greedy, bug, siblings):
-    """Verification walk -> (path [B, D] accepted node ids (0 past the end), accepted [B],
-    next token [B], tested [B, D] whether depth d + 1 was tested)."""
-    batch = p_BNV.shape[0]
-    rows = jnp.arange(batch)
-    node = jnp.zeros((batch,), jnp.int32)
-    alive = jnp.ones((batch,), bool)
-    stop = jnp.zeros(p_BNV.shape[::2], p_BNV.dtype)  # [B, V]: the emitting distribution
-    best = jnp.argmax(p_BNV, -1).astype(jnp.int32)
-    stop_tok = jnp.zeros((batch,), jnp.int32)
-    tok = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), tok_BN], axis=1)  # node-indexed
-    children = jnp.asarray(t.children)
-    path, tested = [], []
-    for _ in range(t.max_depth):
-        kids = children[node]  # [B, R]
-        tested.append(alive & (kids[:, 0] >= 0))
-        p_u = p_BNV[rows, node]
-        q_u = q_BFV[rows, jnp.minimum(node, q_BFV.shape[1] - 1)]
-        p_cur, q_cur, found, chosen = p_u, q_u, jnp.zeros_like(alive), node
-        for r in range(children.shape[1]):
-            c = kids[:, r]
-            valid = alive & ~found & (c >= 0)
-            x = tok[rows, jnp.maximum(c, 0)]
-            if greedy:
-                ok = x == best[rows, node]
-            else:
-                valid = valid & sib.has_mass(q_cur)  # an exhausted q proposes nothing
-                p_test = p_cur if bug in (None, 'fixed_q') else p_u
-                u = uniform_BN[rows, jnp.maximum(c, 1) - 1]
-                ok = u * q_cur[rows, x] < p_test[rows, x]
-                rejected = (valid & ~ok)[:, None]
-                if bug in (None, 'fixed_q'):
-                    p_cur = jnp.where(rejected, residual(p_cur, q_cur), p_cur)
-                elif bug == 'stale_residual':
-                    p_cur = jnp.where(rejected, residual(p_u, q_u), p_cur)
-                if bug != 'fixed_q':
-                    q_cur = jnp.where(rejected, sib.remaining(q_cur, x, siblings), q_cur)
-            chosen = jnp.where(valid & ok, c, chosen)
-            found = found | (valid & ok)
-        stopping = alive & ~found
-        stop = jnp.where(stopping[:, None], p_cur, stop)
-        stop_tok = jnp.where(stopping, best[rows, node], stop_tok)
-        alive, node = alive & found, jnp.where(found, chosen, node)
-        path.append(jnp.where(alive, node, 0))
-    stop = jnp.where(alive[:, None], p_BNV[rows, node], stop)  # bonus past a depth-D leaf
-    stop_tok = jnp.where(alive, best[rows, node], stop_tok)
-    path = jnp.stack(path, axis=1)
-    accepted = jnp.sum(path > 0, axis=1).astype(jnp.int32)
-    nxt = stop_tok if greedy else inverse_cdf(stop, uniform_B)
-    return path, accepted, nxt, jnp.stack(tested, axis=1)
+    batch = active.shape[0]
+    wide = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch, *np.shape(a)))
+    fed_slot = np.where((t.depth < t.max_depth) & (t.depth > 0), np.arange(-1, t.num_nodes), -1)
+    tree = DraftedTree(
+        tokens_BN=vocab.token(jnp.concatenate(tokens, axis=1)),
+        depth_BN1=wide(t.depth), ancestor_BNN=wide(t.ancestor), children_BNR=wide(t.children),
+        fed_slot_BN1=wide(fed_slot.astype(np.int32)),
+        q_BFV=vocab.expand(jnp.concatenate(qs, axis=1)) if keep_q else None,
+    )  # fmt: skip
+    return tree, dcache.replace(lengths=base), bad
 
 
 def _round(
-    tgd, dgd, tparams, dparams, rng, state, *, t, max_new, sampling, eos_id, bug, check_finite,
-    siblings,
+    tgd, tparams, dparams, rng, state, *, draft_fn, sizes, max_new, sampling, eos_id, bug,
+    check_finite, siblings, rule,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
-    n, depth = t.num_nodes, t.max_depth
-    noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * n + 1))
-    tok_BN, q_BFV, dcache, draft_bad = _draft_tree(
-        dgd, dparams, state, noise[:, :n], active, t, sampling, check_finite, siblings
-    )
+    n, depth, fed = sizes
+    noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * n + 2))
+    tree, dcache, draft_bad = draft_fn(dparams, state, noise[:, :n], active)
 
     tcache = state.tcache
     base = tcache.lengths  # the root token `last` goes here, node i at base + i
-    tokens = jnp.concatenate([state.last[:, None], tok_BN], axis=1)
-    positions = base[:, None] + jnp.asarray(t.depth)[None, :]
-    mask = tree_mask(t.ancestor, base, tcache.capacity)
+    tokens = jnp.concatenate([state.last[:, None], tree.tokens_BN], axis=1)
+    positions = base[:, None] + tree.depth_BN1
+    mask = tree_mask(tree.ancestor_BNN, base, tcache.capacity)
     logits, tcache = apply_cached(tgd, tparams, tokens, act * 0, tcache, positions, mask)
     # Greedy walks only need argmax p = argmax of the logits (transform_logits is a one-hot).
     p_BNV = logits if sampling.greedy else transform_logits(logits, sampling)
-    path, num_acc, next_token, tested = _walk(
-        t, p_BNV, q_BFV, tok_BN, noise[:, n:-1], noise[:, -1], sampling.greedy, bug, siblings
-    )
+    walk_rule, walk_siblings = (
+        ('probabilistic', 'iid') if bug == 'ratio_test' else (rule, siblings)
+    )  # fmt: skip
+    path, num_acc, next_token, tested = walk(
+        tree, p_BNV, noise[:, n:-1], noise[:, -1], depth=depth, greedy=sampling.greedy,
+        rule=walk_rule, siblings=walk_siblings, bug=None if bug == 'ratio_test' else bug,
+    )  # fmt: skip
 
     # Emit the path's tokens and the replacement/bonus, cut at eos and at max_new_tokens.
-    tok = jnp.concatenate([jnp.zeros_like(state.last[:, None]), tok_BN], axis=1)
+    tok = jnp.concatenate([jnp.zeros_like(state.last[:, None]), tree.tokens_BN], axis=1)
     path_tok = jnp.take_along_axis(tok, path, axis=1)
     count, hit_eos, emitted, out = common.emit_round(
         path_tok, num_acc, next_token, state.out, state.emitted, act, max_new=max_new, eos_id=eos_id
@@ -303,23 +291,23 @@ def _round(
     examined = tested & counted
     accepted = (i < num_acc[:, None]) & counted
 
-    # Keep the accepted path: target entries root + path at base..; draft its fed nodes.
+    # Keep the accepted path: target entries root + path at base..; draft the fed nodes on it.
     order_t = jnp.concatenate([jnp.zeros_like(path[:, :1]), path], axis=1)  # slot = node id
     order_t = jnp.where(jnp.arange(depth + 1)[None] <= num_acc[:, None], order_t, 0)
-    order_t = jnp.pad(order_t, ((0, 0), (0, n - depth)))
-    tcache = _compact(tcache, base, order_t)
-    d_keep = jnp.minimum(num_acc, depth - 1)
-    if t.num_fed:
-        order_d = jnp.where(i[:, : depth - 1] < d_keep[:, None], path[:, : depth - 1] - 1, 0)
-        order_d = jnp.pad(order_d, ((0, 0), (0, t.num_fed - (depth - 1))))
-        dcache = _compact(dcache, dcache.lengths, order_d)
+    tcache = compact(tcache, base, jnp.pad(order_t, ((0, 0), (0, n - depth))))
+    slot_BD = jnp.take_along_axis(tree.fed_slot_BN1, path, axis=1)
+    d_keep = leading_true((i < num_acc[:, None]) & (slot_BD >= 0))  # <= D - 1
+    if fed:
+        order_d = jnp.where(i[:, : depth - 1] < d_keep[:, None], slot_BD[:, : depth - 1], 0)
+        dcache = compact(dcache, dcache.lengths, jnp.pad(order_d, ((0, 0), (0, fed - depth + 1))))
+    rows = jnp.arange(len(act))
     keep = lambda new, old: jnp.where(active, new, old)
     return SpeculativeState(
         tcache=tcache.replace(lengths=keep(base + 1 + num_acc, base)),
         dcache=dcache.replace(lengths=keep(dcache.lengths + d_keep, state.dcache.lengths)),
         last=keep(next_token, state.last),
-        prev=keep(path_tok[:, -1], state.prev),
-        draft_pending=keep(1 + (num_acc == depth).astype(jnp.int32), state.draft_pending),
+        prev=keep(path_tok[rows, jnp.maximum(num_acc - 1, 0)], state.prev),
+        draft_pending=keep(1 + num_acc - d_keep, state.draft_pending),
         out=jnp.where(active[:, None], out, state.out),
         emitted=emitted,
         done=state.done | (active & ((emitted >= max_new) | hit_eos)),
@@ -333,12 +321,7 @@ def _round(
     )
 
 
-def _compact(cache, starts_B, order_BW):
-    move = lambda c: gather_window(c, starts_B, order_BW)
-    return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
-
-
-def _stats(state, t):
+def _stats(state, n, depth):
     """Per-row counts and totals as `SampleOutput`, per depth; drafted = N nodes per round."""
     rounds = state.row_rounds
     rows = dict(
@@ -346,11 +329,11 @@ def _stats(state, t):
         row_accepted_per_position=state.row_accepted_per_position,
         row_examined=state.row_examined_per_position.sum(-1),
         row_accepted=state.row_accepted_per_position.sum(-1),
-        row_drafted=t.num_nodes * rounds,
+        row_drafted=n * rounds,
         row_emitted=state.emitted,
         row_rounds=rounds,
         row_target_calls=rounds + 1,
-        row_draft_calls=t.max_depth * rounds + 1,
+        row_draft_calls=depth * rounds + 1,
     )
     totals = {name[4:]: value.sum(0) for name, value in rows.items()}
     flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
