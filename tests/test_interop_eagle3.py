@@ -2,21 +2,29 @@
 vLLM's `llama_eagle3.py` computes from the same files (its forward rebuilt here in torch from
 config.json and model.safetensors alone), the round trip is bit-exact, the config carries the
 loaders' fields and the feature-layer mapping, and what does not fit is refused naming the
-field or tensor."""
+field or tensor; so does the export_eagle3 command, on a trained feature_draft workdir."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import test_feature_train as ft
 import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from specjax.checkpoint import write_workdir
+from specjax.distill import feature_mode
+from specjax.distill.results import FEATURE_DRAFT_HEADLINE_METRICS, headline_keys
+from specjax.errors import USER_ERROR_EXIT_CODE
 from specjax.interop.eagle3 import export_eagle3, import_eagle3
 from specjax.models import Transformer, TransformerConfig
 from specjax.models.feature_draft import FeatureDraftConfig, from_target
@@ -325,3 +333,68 @@ def test_import_refuses_a_draft_that_does_not_fit_naming_the_field(target, tmp_p
             import_eagle3(tmp_path / 'e', CFG)
         for p in (tmp_path / 'e').iterdir():
             p.unlink()
+
+
+# ------------------------------------------------------------------ the export_eagle3 command
+
+
+@pytest.fixture(scope='module')
+def feature_run(tmp_path_factory):
+    """(root, target config, results): test_feature_train's config and stub data (2 draft layers,
+    20 ids), one step on the rows; a 4-layer target, so layers (0, 1, 2) are below its last."""
+    root = tmp_path_factory.mktemp('eagle3_cli')
+    cfg = dataclasses.replace(ft._target().config, n_layers=4)
+    write_workdir(Transformer(cfg, rngs=nnx.Rngs(0)), ft._Tok(), str(root / 'target'), source={})
+    (root / 'vocab.json').write_text(json.dumps({'ids': ft.IDS}))
+    c = ft._config(root, steps=1, feature_layers=(0, 1, 2))
+    c.distill.source = 'dataset'  # (the last step is evaluated and saved whatever the period)
+    return root, cfg, feature_mode.run_feature_draft(c, str(root / 'feature'), data=ft._data())
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, '-m', 'specjax.interop', 'export_eagle3', *map(str, args)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    )  # fmt: skip
+
+
+def test_cli_exports_a_feature_draft_workdir_that_imports_back_bit_exactly(feature_run):
+    root, cfg, _ = feature_run
+    out = root / 'eagle3'
+    run = _cli(f'--workdir={root / "feature"}', f'--out={out}', '--vllm_only')
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout)['eagle_aux_hidden_state_layer_ids'] == [1, 2, 3]
+    assert sorted(os.listdir(out)) == ['config.json', 'model.safetensors']
+    draft, ids = feature_mode.load_feature_draft(str(root / 'feature'))
+    back, back_ids = import_eagle3(out, cfg)
+    assert back.config == draft.config and back_ids.tolist() == ids.tolist() == ft.IDS
+    _same(back, draft)
+
+
+def test_cli_refuses_in_one_line_and_writes_nothing(feature_run):
+    root, _, _ = feature_run
+    before = sorted(root.rglob('*'))
+    for workdir, out, match in (
+        ('target', 'e', ["no 'feature_draft_config' (mode='import'): not a", str(root)]),
+        ('feature', 'e', ['FeatureDraftConfig.n_layers=2', 'SGLang', 'vllm_only']),
+        ('missing', 'e', ['no checkpoint in', str(root / 'missing')]),
+        ('feature', 'target', [f'--out={root / "target"}', 'is not an empty directory']),
+    ):  # fmt: skip
+        run = _cli(f'--workdir={root / workdir}', f'--out={root / out}')
+        last = run.stderr.strip().splitlines()[-1]
+        assert run.returncode == USER_ERROR_EXIT_CODE, run.stderr[-3000:]
+        assert last.startswith('FATAL ') and all(m in last for m in match), last
+        assert 'Traceback' not in run.stderr  # a refusal is one line
+        assert sorted(root.rglob('*')) == before  # no --out, no partial sibling, nothing added
+
+
+def test_feature_draft_results_carry_their_headline_metrics(feature_run):
+    root, _, res = feature_run
+    written = json.loads((root / 'feature' / 'results.json').read_text())
+    with open(root / 'feature' / 'metrics.jsonl') as f:
+        last_eval = [r for r in map(json.loads, f) if r['split'] == 'eval'][-1]
+    assert headline_keys(written) == list(FEATURE_DRAFT_HEADLINE_METRICS) == headline_keys(res)
+    for key in FEATURE_DRAFT_HEADLINE_METRICS:  # the evaluation's own numbers, nothing derived
+        assert written[key] == last_eval[key] == res[key], key
+    assert not [k for k in written if k.startswith(('tau', 'acceptance'))]  # no speculative run
+    assert headline_keys(dict(written, alpha_step3=0.5))[-1] == 'alpha_step3'  # a longer unroll

@@ -15,7 +15,10 @@ and 'draft_vocab' ({'ids': N target ids or None, 'target_vocab_size'}), draft_vo
 them (a reduced map only), results.json with the last evaluation (val_loss, alpha_step{j}: the
 held-out TTT loss and the mean sum min(p, q) at each unrolled step, on config.train.eval_batches
 held-out batches of the training source: the target's continuations of their prompts, generated
-once with a fixed key, or the rows). `load_feature_draft(workdir)` reads the draft back.
+once with a fixed key, or the rows; printed and swept as specjax.distill.results'
+FEATURE_DRAFT_HEADLINE_METRICS). The mode decodes nothing speculatively: measured acceptance and
+tau come from spec_eval on the workdir. `load_feature_draft(workdir)` reads the draft back;
+`python -m specjax.interop export_eagle3` writes it for vLLM / SGLang.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Imported models as ordinary specjax workdirs, and workdirs back out as Hugging Face folders.
+"""Imported models as ordinary specjax workdirs, and workdirs back out as Hugging Face folders
+(`export_workdir`) or, for a trained feature draft, as an EAGLE-3 draft (`export_eagle3_workdir`).
 
 `import_workdir(source, workdir)` writes <workdir>/checkpoints (orbax, step 0, state
 {'params': ...}) with the metadata every consumer reads ('model_config', 'tokenizer' identity,
@@ -160,3 +161,38 @@ def export_workdir(workdir: str, out: str) -> dict:
         tok = HuggingFaceTokenizer.from_file(workdir)
     export_llama(model, out, tokenizer=tok)
     return {'out': os.path.abspath(out), 'tokenizer': tok is not None, 'mode': meta.get('mode')}
+
+
+def export_eagle3_workdir(workdir: str, out: str, *, vllm_only: bool = False) -> dict:
+    """Writes the feature draft of a `feature_draft`-mode workdir (its newest intact checkpoint,
+    specjax.distill.feature_mode.load_feature_draft) to `out` as the EAGLE-3 checkpoint
+    (config.json + model.safetensors) vLLM and SGLang load (specjax.interop.eagle3). Refuses, before
+    reading the checkpoint, an `out` that exists and is not an empty directory; ConfigMismatch
+    for a workdir whose checkpoint is not a feature draft's; export_eagle3's ValueError for a
+    draft the loaders cannot represent. `out` is local; written whole or not at all (staging).
+    Returns a summary."""
+    from specjax import workdir as workdir_lib
+    from specjax.distill.feature_mode import load_feature_draft
+    from specjax.interop.eagle3 import export_eagle3
+
+    target = workdir_lib.resolve(out)
+    if '://' in target:  # safetensors and the staging write local files only
+        raise ValueError(f'--out={out}: an EAGLE-3 export is written to a local directory')
+    if os.path.lexists(target) and not (os.path.isdir(target) and not os.listdir(target)):
+        raise FileExistsError(
+            f'--out={out}: {target} already exists and is not an empty directory; an EAGLE-3 '
+            'export is written into a new (or empty) directory'
+        )
+    draft, ids = load_feature_draft(workdir)
+    export_eagle3(draft, ids, target, vllm_only=vllm_only)
+    cfg = draft.config
+    return {
+        'out': target,
+        'workdir': workdir_lib.resolve(workdir),
+        'feature_layers': list(cfg.feature_layers),
+        'eagle_aux_hidden_state_layer_ids': [i + 1 for i in cfg.feature_layers],
+        'n_layers': cfg.n_layers,
+        'draft_vocab_size': cfg.vocab_size,
+        'target_vocab_size': cfg.target.vocab_size,
+        'vllm_only': vllm_only,
+    }
