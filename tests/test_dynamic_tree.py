@@ -87,14 +87,14 @@ def test_ratio_test_on_top_ranked_candidates_is_rejected():
     assert rejected, tv
 
 
-def _reference_tree(draft, prompt, spec, temperature):
-    """EAGLE-2 by hand: uncached draft scoring of every path, numpy top-k. -> {token path:
-    score} of the N chosen nodes, and each chosen node's children in test order."""
+def reference_tree(logits_after, spec, temperature):
+    """EAGLE-2 by hand: the draft's logits after each path (logits_after(path) -> [V], scored from
+    scratch), numpy top-k. -> {token path: score} of the N chosen nodes, and each chosen node's
+    children in test order."""
     m = spec.expand
 
     def logprobs(path):
-        seq = np.array([[*prompt, *path]], np.int32)
-        z = np.asarray(full_logits(draft, seq), np.float64)[0, -1] / temperature
+        z = np.asarray(logits_after(path), np.float64) / temperature
         return z - np.logaddexp.reduce(z)
 
     def expand(path, score):
@@ -144,17 +144,25 @@ def test_drafted_tree_matches_a_numpy_eagle2(spec, temperature):
 
     tree = jax.device_get(drafted(dparams, jnp.asarray(prompts), jnp.asarray(lengths)))
     for b in range(batch):
-        scores, kids = _reference_tree(draft, GREEDY_PROMPTS[b], spec, temperature)
-        path_of = {0: ()}
-        for i in range(1, spec.nodes + 1):  # parents come first: each path extends a known one
-            parent = next(u for u in range(i) if i in tree.children_BNR[b, u])
-            path_of[i] = (*path_of[parent], int(tree.tokens_BN[b, i - 1]))
-            assert tree.depth_BN1[b, i] == len(path_of[i])
-            assert tree.ancestor_BNN[b, i].sum() == len(path_of[i]) + 1
-        assert set(path_of.values()) - {()} == set(scores), b
-        for u, path in path_of.items():
-            got = [path_of[int(c)] for c in tree.children_BNR[b, u] if c >= 0]
-            assert got == kids[path], (b, path)
+        prompt = GREEDY_PROMPTS[b]
+        uncached = lambda path, prompt=prompt: full_logits(
+            draft, np.array([[*prompt, *path]], np.int32)
+        )[0, -1]
+        check_drafted_tree(tree, b, spec, *reference_tree(uncached, spec, temperature))
+
+
+def check_drafted_tree(tree, b, spec, scores, kids):
+    """Row b of a DraftedTree holds the reference's nodes, parents and child order."""
+    path_of = {0: ()}
+    for i in range(1, spec.nodes + 1):  # parents come first: each path extends a known one
+        parent = next(u for u in range(i) if i in tree.children_BNR[b, u])
+        path_of[i] = (*path_of[parent], int(tree.tokens_BN[b, i - 1]))
+        assert tree.depth_BN1[b, i] == len(path_of[i])
+        assert tree.ancestor_BNN[b, i].sum() == len(path_of[i]) + 1
+    assert set(path_of.values()) - {()} == set(scores), b
+    for u, path in path_of.items():
+        got = [path_of[int(c)] for c in tree.children_BNR[b, u] if c >= 0]
+        assert got == kids[path], (b, path)
 
 
 def test_greedy_dynamic_tree_equals_autoregressive():

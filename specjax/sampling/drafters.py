@@ -1,8 +1,9 @@
-"""How the chain sampler drives its draft: a token draft (a Transformer) or a feature draft.
+"""How the samplers drive their draft: a token draft (a Transformer) or a feature draft.
 
-The chain sampler (specjax.sampling.speculative) talks to its draft through one of two drafters,
-chosen from the draft's graphdef (`drafter_for`); both keep the draft's KV cache beside the
-target's and differ in what the draft reads and what it must catch up on after a round.
+The chain sampler (specjax.sampling.speculative) and the tree sampler (tree_speculative) talk to
+their draft through one of two drafters, chosen from the draft's graphdef (`drafter_for`); both
+keep the draft's KV cache beside the target's and differ in what the draft reads and what it
+must catch up on after a round.
 
 Token draft (`TokenDrafter`, a Transformer over draft ids): reads the context tokens. At a
 round's start it has consumed the context except `last` and, after a round that accepted all k
@@ -18,7 +19,9 @@ pending: the next round's catch-up feeds them in one (k + 1)-wide cached call. P
 the catch-up pair x_i with the draft's own output state at the previous entry (EAGLE's
 feature-level autoregression); they are dropped in the roll-back. So the draft's cache after a
 round holds exactly what a from-scratch pass over the accepted context with the target's
-features would hold (tests/test_feature_sampling.py checks this).
+features would hold (tests/test_feature_sampling.py checks this). In a token tree each node is
+fed with its parent's output state (`level`), and the accepted path (root and path nodes, with
+the target's features of the positions the tree call scored) is the next catch-up's feed.
 
 Both drafters are static (hashable) parts of a compiled sampler. A draft is only a proposal
 distribution q: neither changes the sampler's output law.
@@ -72,12 +75,14 @@ def drafter_for(target_graphdef, draft_graphdef, who: str):
     return FeatureDrafter(feature.feature_layers)
 
 
-def target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=()):
+def target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=(), positions=None,
+                mask=None):  # fmt: skip
     """The target's cached call -> (logits [B, T, V], cache, features [B, T, n, E] of the blocks
-    `feature_layers`, or None when none are read)."""
+    `feature_layers`, or None when none are read); positions / mask as apply_cached (trees)."""
+    args = (tgd, tparams, tokens_BT, num_valid_B, tcache, positions, mask)
     if not feature_layers:
-        return (*apply_cached(tgd, tparams, tokens_BT, num_valid_B, tcache), None)
-    return apply_cached(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=feature_layers)
+        return (*apply_cached(*args), None)
+    return apply_cached(*args, feature_layers=feature_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +91,11 @@ class TokenDrafter:
 
     feature_layers: tuple[int, ...] = ()
 
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache):
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None):
         """The target's cached call with the features this draft reads (`target_call`)."""
-        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers)
+        return target_call(
+            tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers, positions, mask
+        )
 
     def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
         """Consumes the prompt except its last token -> (cache, feed ())."""
@@ -112,6 +119,20 @@ class TokenDrafter:
         logits, cache = apply_cached(dgd, dparams, vocab.to_draft(x_B[:, None]), act_B, carry)
         return logits[:, 0], cache
 
+    def split_carry(self, carry):
+        """The catch-up's carry -> (cache, output state [B, E] or None)."""
+        return carry, None
+
+    def level(self, dgd, dparams, cache, tokens_BW, parent_state_BWE, positions_BW, mask_BWC,
+              vocab):  # fmt: skip
+        """One token-tree level: W nodes (target ids) written at cache.lengths.. with tree
+        positions and mask (lengths unchanged) -> (logits [B, W, V_d], None, cache)."""
+        del parent_state_BWE
+        zeros = jnp.zeros(tokens_BW.shape[:1], jnp.int32)
+        inputs = vocab.to_draft(tokens_BW)
+        logits, cache = apply_cached(dgd, dparams, inputs, zeros, cache, positions_BW, mask_BWC)
+        return logits, None, cache
+
     def after_round(self, state, carry, fused_BWE, *, fed, x_BK, num_acc_B, next_B, active_B):
         """-> (cache, prev, pending, feed) of the next round's start. `fed` (scalar) proposals
         were fed to the draft (k - 1 unless a stop ended the round early): the cache keeps
@@ -134,9 +155,11 @@ class FeatureDrafter:
 
     feature_layers: tuple[int, ...]
 
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache):
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None):
         """The target's cached call with the features this draft reads (`target_call`)."""
-        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers)
+        return target_call(
+            tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers, positions, mask
+        )
 
     def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
         """Consumes entries 0..P-2 of the prompt (tokens c_t, features f_{t-1}); entry P-1
@@ -169,6 +192,22 @@ class FeatureDrafter:
         at = jnp.maximum(pending - 1, 0)[:, None, None]
         take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
         return take(logits), (cache, take(h))
+
+    def split_carry(self, carry):
+        """The catch-up's carry -> (cache, output state [B, E] at the last pending entry)."""
+        return carry
+
+    def level(self, dgd, dparams, cache, tokens_BW, parent_state_BWE, positions_BW, mask_BWC,
+              vocab):  # fmt: skip
+        """One token-tree level: node i (target ids) paired with its parent's output state,
+        written at cache.lengths.. with tree positions and mask (lengths unchanged) ->
+        (logits [B, W, V_d], output states [B, W, E], cache). A tree round's nodes are all
+        self-fed, so after_round drops them (fed=0) and feeds the accepted path's true
+        features at the next catch-up."""
+        del vocab
+        zeros = jnp.zeros(tokens_BW.shape[:1], jnp.int32)
+        model = merge(dgd, dparams)
+        return model.decode(tokens_BW, parent_state_BWE, zeros, cache, positions_BW, mask_BWC)
 
     def step(self, dgd, dparams, carry, x_B, act_B, vocab):
         """Feeds proposal x [B] with the previous entry's output state as its feature."""

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import apply_cached
-from specjax.sampling import common, guards
+from specjax.sampling import drafters, guards
 from specjax.sampling.draft_vocab import DraftVocab
 from specjax.sampling.siblings import top_ranked
 from specjax.sampling.transforms import SamplingConfig, transform_logits
@@ -40,21 +39,19 @@ def depths(spec: DynamicTree) -> np.ndarray:
 
 
 def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: SamplingConfig,
-                  vocab: DraftVocab, check_finite: bool, keep_q: bool = False):  # fmt: skip
+                  vocab: DraftVocab, check_finite: bool, keep_q: bool = False,
+                  drafter=drafters.TOKEN_DRAFTER):  # fmt: skip
     """Catch-up and D - 1 level calls -> (DraftedTree with N nodes, draft cache with the F fed
     nodes written after the context and its lengths at the context, whether an active row's
     draft logits were non-finite). keep_q: also return q at the root and fed nodes (the
     negative control's ratio test reads it)."""
     m, depth = spec.expand, spec.depth
     fed = spec.num_fed
-    act = active.astype(jnp.int32)
     batch = active.shape[0]
     rows = jnp.arange(batch)[:, None]
     scale = sampling.temperature if sampling.temperature > 0 else 1.0
-    logits, dcache = common.draft_catch_up(
-        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
-        vocab.to_draft,
-    )  # fmt: skip
+    logits, carry = drafter.catch_up(dgd, dparams, state, active, vocab)
+    dcache, h_root = drafter.split_carry(carry)  # h: output states (feature drafts)
     bad = guards.any_nonfinite(logits, active, check_finite)
     base = dcache.lengths
     level = vocab.restrict(logits)[:, None]  # [B, 1, Vd]: the root
@@ -68,12 +65,14 @@ def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: S
     pool_fed = [jnp.broadcast_to(first_fed, (batch, m))]
     front, front_tok = jnp.broadcast_to(jnp.arange(1, m + 1), (batch, m)), tok
     front_anc = jnp.broadcast_to(jnp.eye(m, fed, dtype=bool), (batch, m, fed))
+    parent_h = None if h_root is None else jnp.repeat(h_root[:, None], m, axis=1)
     for d in range(1, depth):  # feed depth d's frontier, draft depth d + 1
         cache = dcache.replace(lengths=base + (d - 1) * m)
         mask = tree_mask(front_anc, base, dcache.capacity)
         positions = jnp.broadcast_to(base[:, None] - 1 + d, (batch, m))
-        inputs = vocab.to_draft(vocab.token(front_tok))
-        out, dcache = apply_cached(dgd, dparams, inputs, act * 0, cache, positions, mask)
+        out, h, dcache = drafter.level(
+            dgd, dparams, cache, vocab.token(front_tok), parent_h, positions, mask, vocab
+        )
         bad = bad | guards.any_nonfinite(out, active, check_finite)
         level = vocab.restrict(out)  # [B, m, Vd]
         if keep_q:
@@ -94,6 +93,8 @@ def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: S
             front, front_tok = start + sel, jnp.take_along_axis(flat_tok, sel, axis=1)
             parent_anc = jnp.take_along_axis(front_anc, (sel // m)[:, :, None], axis=1)
             front_anc = parent_anc | (jnp.arange(fed)[None, None, :] == slots[None, :, None])
+            if h is not None:
+                parent_h = jnp.take_along_axis(h, (sel // m)[:, :, None], axis=1)
         pool_fed.append(block_fed)
     dcache = dcache.replace(lengths=base)
     cat = lambda xs: jnp.concatenate(xs, axis=1)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import apply_cached, init_cache, split
+from specjax.models import init_cache, split
 from specjax.sampling import common, drafters, guards
 from specjax.sampling import dynamic_tree as dyn
 from specjax.sampling import siblings as sib
@@ -83,11 +83,7 @@ def make_tree_speculative_fn(
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
     dynamic = isinstance(tree, tr.DynamicTree)
     tree, siblings = tree if dynamic else tr.check_tree(tree), sib.check_siblings(siblings)
-    if drafters.drafter_for(
-        target_graphdef, draft_graphdef, 'tree_speculative_sample'
-    ).feature_layers:
-        raise ValueError('tree_speculative_sample: a feature draft drafts chains only for now '
-                         '(speculative_sample); token trees take a token draft')  # fmt: skip
+    drafter = drafters.drafter_for(target_graphdef, draft_graphdef, 'tree_speculative_sample')
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
     t_vocab = common.config_of(target_graphdef).vocab_size
@@ -110,7 +106,7 @@ def make_tree_speculative_fn(
     return _cached_fn(
         target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh, rules,
         common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite), siblings,
-        rule, vocab,
+        rule, vocab, drafter,
     )  # fmt: skip
 
 
@@ -140,7 +136,7 @@ def _sizes(tree) -> tuple[int, int, int]:
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
     tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check, siblings,
-    rule, vocab,
+    rule, vocab, drafter,
 ):  # fmt: skip
     n, _, fed = _sizes(tree)
 
@@ -153,14 +149,15 @@ def _cached_fn(
     core = functools.partial(
         _tree_core, tgd, dgd, tree=tree, max_new=max_new, sampling=sampling, eos_id=eos_id,
         bug=bug, layout=(mesh, rules, draft_rules), check_finite=check, siblings=siblings,
-        rule=rule, vocab=vocab,
+        rule=rule, vocab=vocab, drafter=drafter,
     )  # fmt: skip
     models = (('target', tgd, rules, 'rules'), ('draft', dgd, draft_rules, 'draft_rules'))
     return common.ShardedSampler(core, mesh, rules, fits, models, name='tree_speculative_sample')
 
 
 def _tree_core(
-    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, vocab, **kw
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, vocab, drafter,
+    **kw,
 ):  # fmt: skip
     n, depth, fed = _sizes(tree)
     batch, width = prompts.shape
@@ -171,8 +168,9 @@ def _tree_core(
         (init_cache(common.config_of(tgd), batch, capacity), rules),
         (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
     ))  # fmt: skip
-    _, tcache = apply_cached(tgd, tparams, prompts, prompt_lengths - 1, tcache)
-    _, dcache = apply_cached(dgd, dparams, vocab.to_draft(prompts), prompt_lengths - 1, dcache)
+    _, tcache, features = drafter.target_call(tgd, tparams, prompts, prompt_lengths - 1, tcache)
+    dcache, dfeed = drafter.init(dgd, dparams, dcache, prompts, prompt_lengths, vocab, features,
+                                 depth)  # fmt: skip
     zeros = jnp.zeros((batch,), jnp.int32)
     out = jnp.zeros((batch, kw['max_new'] + depth + 1), jnp.int32)
     state = SpeculativeState(
@@ -181,9 +179,12 @@ def _tree_core(
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
         row_examined_per_position=jnp.zeros((batch, depth), jnp.int32),
         row_accepted_per_position=jnp.zeros((batch, depth), jnp.int32), **guards.initial_flags(),
+        dfeed=dfeed,
     )  # fmt: skip
     keep_q = kw['rule'] == 'probabilistic' or kw['bug'] == 'ratio_test'
-    opts = dict(sampling=kw['sampling'], vocab=vocab, check_finite=kw['check_finite'])
+    opts = dict(
+        sampling=kw['sampling'], vocab=vocab, check_finite=kw['check_finite'], drafter=drafter
+    )
     if isinstance(tree, tr.DynamicTree):
         draft_fn = lambda dparams, state, _, active: dyn.draft_dynamic(
             dgd, dparams, state, active, spec=tree, keep_q=keep_q, **opts
@@ -194,8 +195,9 @@ def _tree_core(
             ranked=kw['rule'] == 'argmax_draft', **opts,
         )  # fmt: skip
     body = functools.partial(
-        _round, tgd, tparams, dparams, rng, draft_fn=draft_fn, sizes=(n, depth, fed), **kw
-    )
+        _round, tgd, dgd, tparams, dparams, rng, draft_fn=draft_fn, sizes=(n, depth, fed),
+        drafter=drafter, **kw,
+    )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
         tokens=common.finish_tokens(state.out, state.emitted, kw['max_new']),
@@ -205,18 +207,16 @@ def _tree_core(
 
 
 def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab, check_finite,
-                  siblings, ranked, keep_q):  # fmt: skip
+                  siblings, ranked, keep_q, drafter):  # fmt: skip
     """Catch-up, then one draft call per depth < D -> (DraftedTree, draft cache with the F fed
     nodes written after the context and its lengths at the context, whether the draft's
     logits of an active row were non-finite). Children are top-ranked at T = 0 or when
     `ranked`, else drawn from their parent's q (`siblings`)."""
-    act = active.astype(jnp.int32)
-    logits, dcache = common.draft_catch_up(
-        dgd, dparams, state.dcache, state.last, state.prev, state.draft_pending, active,
-        vocab.to_draft,
-    )  # fmt: skip
+    logits, carry = drafter.catch_up(dgd, dparams, state, active, vocab)
+    dcache, h_level = drafter.split_carry(carry)  # h: output states (feature drafts)
     bad = guards.any_nonfinite(logits, active, check_finite)
     level = vocab.restrict(logits)[:, None]  # [B, 1, Vd]: the root
+    h_level = None if h_level is None else h_level[:, None]
     base = dcache.lengths  # the context; fed node i sits at base + i - 1
     fed_ancestor = t.ancestor[1 : t.num_fed + 1, 1 : t.num_fed + 1]
     sampled = not (sampling.greedy or ranked)
@@ -234,10 +234,12 @@ def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab
         if d == t.max_depth - 1:
             break
         mask = tree_mask(fed_ancestor[s - 1 : e - 1], base, dcache.capacity)
-        positions = base[:, None] - 1 + jnp.asarray(t.depth[s:e])[None, :]
+        positions = jnp.broadcast_to(base[:, None] - 1 + t.depth[s:e][None, :], toks.shape)
         cache = dcache.replace(lengths=base + s - 1)
-        inputs = vocab.to_draft(vocab.token(toks))
-        out, dcache = apply_cached(dgd, dparams, inputs, act * 0, cache, positions, mask)
+        parent_h = None if h_level is None else h_level[:, parents]
+        out, h_level, dcache = drafter.level(
+            dgd, dparams, cache, vocab.token(toks), parent_h, positions, mask, vocab
+        )
         bad = bad | guards.any_nonfinite(out, active, check_finite)
         level, first = vocab.restrict(out), s
         level_q = transform_logits(level, sampling) if sampled or keep_q else None
@@ -255,8 +257,8 @@ def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab
 
 
 def _round(
-    tgd, tparams, dparams, rng, state, *, draft_fn, sizes, max_new, sampling, eos_id, bug,
-    check_finite, siblings, rule,
+    tgd, dgd, tparams, dparams, rng, state, *, draft_fn, sizes, max_new, sampling, eos_id, bug,
+    check_finite, siblings, rule, drafter,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
@@ -269,7 +271,9 @@ def _round(
     tokens = jnp.concatenate([state.last[:, None], tree.tokens_BN], axis=1)
     positions = base[:, None] + tree.depth_BN1
     mask = tree_mask(tree.ancestor_BNN, base, tcache.capacity)
-    logits, tcache = apply_cached(tgd, tparams, tokens, act * 0, tcache, positions, mask)
+    logits, tcache, features = drafter.target_call(
+        tgd, tparams, tokens, act * 0, tcache, positions, mask
+    )
     # Greedy walks only need argmax p = argmax of the logits (transform_logits is a one-hot).
     p_BNV = logits if sampling.greedy else transform_logits(logits, sampling)
     walk_rule, walk_siblings = (
@@ -295,19 +299,31 @@ def _round(
     order_t = jnp.concatenate([jnp.zeros_like(path[:, :1]), path], axis=1)  # slot = node id
     order_t = jnp.where(jnp.arange(depth + 1)[None] <= num_acc[:, None], order_t, 0)
     tcache = compact(tcache, base, jnp.pad(order_t, ((0, 0), (0, n - depth))))
-    slot_BD = jnp.take_along_axis(tree.fed_slot_BN1, path, axis=1)
-    d_keep = leading_true((i < num_acc[:, None]) & (slot_BD >= 0))  # <= D - 1
-    if fed:
-        order_d = jnp.where(i[:, : depth - 1] < d_keep[:, None], slot_BD[:, : depth - 1], 0)
-        dcache = compact(dcache, dcache.lengths, jnp.pad(order_d, ((0, 0), (0, fed - depth + 1))))
-    rows = jnp.arange(len(act))
     keep = lambda new, old: jnp.where(active, new, old)
+    if drafter.feature_layers:  # every node was self-fed: the path's true features are pending
+        fused = drafter.fuse(dgd, dparams, features)  # [B, N + 1, E]
+        fused = jnp.take_along_axis(fused, order_t[:, :, None], axis=1)  # last, path nodes
+        dcache, prev, pending, dfeed = drafter.after_round(
+            state, (dcache, None), fused, fed=0, x_BK=path_tok, num_acc_B=num_acc,
+            next_B=next_token, active_B=active,
+        )  # fmt: skip
+    else:  # keep the fed nodes on the path; an unfed accepted leaf is pending with `last`
+        slot_BD = jnp.take_along_axis(tree.fed_slot_BN1, path, axis=1)
+        d_keep = leading_true((i < num_acc[:, None]) & (slot_BD >= 0))  # <= D - 1
+        if fed:
+            order_d = jnp.where(i[:, : depth - 1] < d_keep[:, None], slot_BD[:, : depth - 1], 0)
+            order_d = jnp.pad(order_d, ((0, 0), (0, fed - depth + 1)))
+            dcache = compact(dcache, dcache.lengths, order_d)
+        rows = jnp.arange(len(act))
+        dcache = dcache.replace(lengths=keep(dcache.lengths + d_keep, state.dcache.lengths))
+        prev = keep(path_tok[rows, jnp.maximum(num_acc - 1, 0)], state.prev)
+        pending, dfeed = keep(1 + num_acc - d_keep, state.draft_pending), ()
     return SpeculativeState(
         tcache=tcache.replace(lengths=keep(base + 1 + num_acc, base)),
-        dcache=dcache.replace(lengths=keep(dcache.lengths + d_keep, state.dcache.lengths)),
+        dcache=dcache,
         last=keep(next_token, state.last),
-        prev=keep(path_tok[rows, jnp.maximum(num_acc - 1, 0)], state.prev),
-        draft_pending=keep(1 + num_acc - d_keep, state.draft_pending),
+        prev=prev,
+        draft_pending=pending,
         out=jnp.where(active[:, None], out, state.out),
         emitted=emitted,
         done=state.done | (active & ((emitted >= max_new) | hit_eos)),
@@ -318,6 +334,7 @@ def _round(
         nonfinite_target=state.nonfinite_target
         | guards.any_nonfinite(logits, active, check_finite),
         nonfinite_draft=state.nonfinite_draft | draft_bad,
+        dfeed=dfeed,
     )
 
 
