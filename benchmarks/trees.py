@@ -11,17 +11,18 @@ least max(batch_sizes)). Random-init pairs mislead here: they mostly echo their 
 already accepts ~90% and siblings have nothing to rescue.
 
 Measured at every batch size b and temperature T (benchmarks.tree_points): autoregressive decoding
-(the speedup baseline), chains k = 1..6 (`make_speculative_fn`), confidence-stopped chains
-(k = 6, `stop_below` h), the static trees of TREES under both sibling rules at T > 0 (one at
-T = 0, where they coincide) and EAGLE-2 dynamic trees (`DynamicTree(depth, expand, nodes)`;
-skipped with a note where specjax.sampling has none). b = 1 decodes the prompts one per call,
-b > 1 b prompts per call. Each timing is the minimum over `repeats` interleaved (round-robin)
-runs of each call, summed over calls, in CPU seconds of this process (time.process_time: on a
-machine shared with other jobs wall time swings several-fold while CPU time barely moves); wall
-time of the same runs is reported beside it. The first calls (compiling) are timed apart. Only
-ratios within one run are reported. The best shape per (b, T) is picked twice
-(tree_points.best_shape): by measured tokens per CPU second, and by the optimal-k cost model
-extended to trees (tau / ((draft calls per round) c + v(N)) with c, v(N) calibrated here).
+(the speedup baseline), chains k = 1..6 (`make_speculative_fn`), confidence-stopped chains (k = 6,
+`stop_below` h), the static trees of TREES under both sibling rules at T > 0 (one at T = 0, where
+they coincide; `--static` picks some) and EAGLE-2 dynamic trees (`DynamicTree(depth, expand,
+nodes)`). `--preset=smollm2` reads a SmolLM2 quickstart workdir: prompts in SmolLM2's tokenizer,
+the reduced draft's `draft_vocab_ids`. b = 1 decodes the prompts one per call, b > 1 b prompts per
+call. Each timing is the minimum over `repeats` interleaved (round-robin) runs of each call, summed
+over calls, in CPU seconds of this process (time.process_time: on a machine shared with other jobs
+wall time swings several-fold while CPU time barely moves); wall time of the same runs is reported
+beside it. The first calls (compiling) are timed apart. Only ratios within one run are reported.
+The best shape per (b, T) is picked twice (tree_points.best_shape): by measured tokens per CPU
+second, and by the optimal-k cost model extended to trees (tau / ((draft calls per round) c + v(N))
+with c, v(N) calibrated here).
 Writes JSON (--out) and the markdown tables beside it (same path, .md).
 """
 
@@ -78,8 +79,12 @@ def run(args) -> dict:
     if len(prompts) < max(args.batch_sizes):
         per_domain = -(-per_domain * max(args.batch_sizes) // len(prompts))
         prompts = prompts_of(per_domain, 16, args.prompt_len)
+    unknown = sorted(set(args.static) - set(TREES))
+    if unknown:
+        raise SystemExit(f'--static: unknown tree(s) {unknown}; known: {sorted(TREES)}')
+    static = {name: TREES[name] for name in args.static} if args.trees else {}
     grid = tree_points.Grid(
-        chains=args.chains, stops=args.stops, trees=TREES if args.trees else {},
+        chains=args.chains, stops=args.stops, trees=static,
         dynamic=args.dynamic if args.trees else (),
     )  # fmt: skip
     result = tree_points.measure(
@@ -208,9 +213,15 @@ def parser():
     p.add_argument('--chains', default='1,2,3,4,5,6', type=cli.ints, help='chain lengths k')
     p.add_argument(
         '--stops',
-        default='0.3,0.6',
+        default='0.05,0.15',
         type=cli.floats,
         help='stop_below thresholds of the confidence-stopped k = 6 chain',
+    )
+    p.add_argument(
+        '--static',
+        default=','.join(TREES),
+        type=lambda text: tuple(x for x in text.split(',') if x),
+        help='the static trees of TREES to measure, by name, comma-separated',
     )
     p.add_argument(
         '--dynamic',
