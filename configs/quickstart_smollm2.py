@@ -42,6 +42,9 @@ _PRESETS = {
         ks=(1, 2, 4),
         prompts_per_domain=8,  # 16 prompts, two batches (8 gave acceptance 0.19, alpha 0.24)
         serve_batches=(1,),  # (1, 8) doubles the serving stage's compiles
+        # the feature draft's steps (batch: `batch`, rows: the cache's); each recomputes
+        # SmolLM2's features and logits on 8 x 128 tokens: ~10 s a step on 2 quiet CPU cores
+        feature_steps=100,
     ),
     'tiny': dict(
         n=512,
@@ -57,6 +60,7 @@ _PRESETS = {
         ks=(1, 2),
         prompts_per_domain=1,
         serve_batches=(1, 2),
+        feature_steps=4,
     ),
 }
 
@@ -67,8 +71,10 @@ _ESTIMATES = {
         teacher_cache=690,
         draft_ce=300,
         draft_distilled=240,
+        draft_feature=900,
         spec_ce=390,
         spec_distilled=270,
+        spec_feature=300,
         serve=50,
         report=5,
     ),
@@ -77,8 +83,10 @@ _ESTIMATES = {
         teacher_cache=50,
         draft_ce=25,
         draft_distilled=15,
+        draft_feature=40,
         spec_ce=150,
         spec_distilled=30,
+        spec_feature=60,
         serve=130,
         report=5,
     ),
@@ -129,6 +137,24 @@ def _draft(p: dict, data, ce_only: bool) -> ml_collections.ConfigDict:
     return c
 
 
+def _feature_draft(p: dict, data) -> ml_collections.ConfigDict:
+    """configs/feature_draft.py's config on the teacher cache's rows (the distilled draft's):
+    SmolLM2's layers low / mid / high fused, one decoder layer, the N cached ids as vocabulary
+    (vocab_file and the target are set at run time: specjax.quickstart.smollm2_feature)."""
+    c = _load('feature_draft', 'size=tiny')
+    c.data = ml_collections.ConfigDict(data.to_dict())
+    c.distill.source = 'dataset'  # the rows: the cache's continuations (smollm2_feature)
+    c.feature.vocab_size = p['n']
+    c.train.steps = p['feature_steps']
+    c.train.batch_size = p['batch']
+    c.train.warmup_steps = max(p['feature_steps'] // 10, 1)
+    c.train.log_every = max(p['feature_steps'] // 20, 1)
+    c.train.eval_every = max(p['feature_steps'] // 4, 1)  # alpha over training steps
+    c.train.checkpoint_every = c.train.eval_every
+    c.train.eval_batches = 4
+    return c
+
+
 def get_config(arg=None) -> ml_collections.ConfigDict:
     size = parse_arg(arg, size=one_of('full', _PRESETS)).size
     p = _PRESETS[size]
@@ -172,6 +198,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
 
     c.draft_ce = _draft(p, c.data, ce_only=True)
     c.draft_distilled = _draft(p, c.data, ce_only=False)
+    c.draft_feature = _feature_draft(p, c.data)
 
     c.spec_eval = _load('spec_eval', 'checkpoints')
     ev = c.spec_eval.eval

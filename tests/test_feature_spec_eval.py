@@ -80,3 +80,37 @@ def test_spec_eval_reads_a_feature_draft_workdir(workdirs, tmp_path):
         assert r['alpha'] is None or 0.0 <= r['alpha'] <= 1.0
         assert len(r['acceptance_per_position_conditional']) == 2
     assert written['calibration']['c'] > 0
+
+
+def test_serving_serves_a_feature_draft_beside_the_drafts(workdirs, tmp_path):
+    """The serve stage with <root>/draft_feature present times the target with the feature draft
+    too ('spec_feature'); greedy, its tokens are the target's."""
+    import ml_collections
+
+    from specjax.evaluation import serving
+
+    root, data = workdirs
+    serve_root = tmp_path / 'root'
+    serve_root.mkdir()
+    os.symlink(root / 'target', serve_root / 'target')
+    os.symlink(root / 'feature', serve_root / 'draft_feature')
+    small = TransformerConfig(
+        vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, max_len=64
+    )
+    for i, name in enumerate(('draft_ce', 'draft_distilled')):
+        model = Transformer(small, rngs=nnx.Rngs(i + 1))
+        write_workdir(model, _Tok(), str(serve_root / name), source={})
+    c = ml_collections.ConfigDict(
+        dict(batch_sizes=(1,), max_new_tokens=4, temperature=0.0, k=2, repeats=1, samples=1,
+             prompts=2, seed=0)
+    )  # fmt: skip
+    c.data = data
+    c.eval = ml_collections.ConfigDict(
+        dict(prompts_per_domain=1, prompt_len_min=4, prompt_len_max=8)
+    )
+    c.mesh = default_mesh_config()
+    result = serving.run(c, str(tmp_path / 'serve'), str(serve_root))
+    rows = {r['method']: r for r in result['rows']}
+    assert set(rows) == {'target', 'draft_distilled', 'spec_ce', 'spec_distilled', 'spec_feature'}
+    assert rows['spec_feature']['same_tokens_as_target'] == 1.0 and rows['spec_feature']['k'] == 2
+    assert result['num_params']['draft_feature'] > 0

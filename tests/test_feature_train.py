@@ -34,6 +34,8 @@ IDS = list(range(20, 0, -1))  # a reduced map of 20 target ids (eos included)
 
 
 class _Tok:
+    vocab_size, eos_id = V, EOS
+
     def identity(self):
         return dict(TOKENIZER)
 
@@ -271,3 +273,39 @@ def test_bad_config_is_refused_naming_the_field_before_compiling(
     with pytest.raises(ValueError, match=match):
         fm.run_feature_draft(c, str(tmp_path / 'bad'), data=_data())
     assert not (tmp_path / 'bad').exists()
+
+
+def test_smollm2_feature_stage_trains_on_the_teacher_cache_rows(target_dir, tmp_path):
+    """The SmolLM2 preset's draft_feature stage (specjax.quickstart.smollm2_feature): its rows
+    are the teacher cache's train rows in the distilled draft's order (RowOrder, same seed), its
+    vocabulary the cache's ids, and it leaves a feature-draft workdir; bad settings are refused
+    naming the field."""
+    from specjax.distill.reduced_task import RowOrder
+    from specjax.distill.reduced_train import save_cache
+    from specjax.quickstart import smollm2_feature as sf
+
+    rng, arrays = np.random.default_rng(5), {}
+    for prefix, n in (('train', 6), ('eval', 4)):
+        rows = _rows(rng, n)
+        arrays.update({f'{prefix}_{x}': rows[x] for x in ('tokens', 'positions', 'segment_ids')})
+    os.symlink(target_dir / 'target', tmp_path / 'target')
+    save_cache(str(tmp_path / 'teacher_cache'), {'ids': IDS, 'target_vocab_size': V}, arrays)
+    data = sf.cache_data(str(tmp_path / 'teacher_cache'), _Tok(), B, 0, 1)
+    order = RowOrder(lambda rows: rows, 6, B, 0)
+    for _ in range(3):  # past the first permutation
+        np.testing.assert_array_equal(
+            next(data.train)['tokens'], arrays['train_tokens'][next(order)]
+        )
+    assert [b['tokens'].shape for b in data.eval_batches] == [(B, T)]
+
+    c = _config(tmp_path, steps=2, n_layers=1, ttt_steps=2)
+    c.distill.source = 'dataset'
+    res = sf.train_on_cache(c, str(tmp_path / 'draft_feature'), str(tmp_path), _Tok())
+    assert res['step'] == 2 and 0 < res['alpha_step0'] <= 1
+    draft, ids = fm.load_feature_draft(str(tmp_path / 'draft_feature'))
+    assert ids.tolist() == IDS and draft.config.feature_layers == (0, 1, 2)
+    with pytest.raises(ValueError, match=r'data.seq_len=16 must equal the cached rows \(8 tokens'):
+        sf.check_config(c, 8)
+    c.distill.source = 'teacher'
+    with pytest.raises(ValueError, match=r"config.draft_feature.distill.source='teacher' must"):
+        sf.check_config(c, T)

@@ -2,7 +2,9 @@
 
 For batch sizes config.batch_sizes and one sampling (greedy by default), times four ways of
 serving on the same prompts: the target alone, the distilled draft alone (distillation as
-replacement), and the target with each draft speculatively (CE draft, distilled draft) at one k.
+replacement), and the target with each draft speculatively (CE draft, distilled draft) at one k,
+and a fifth where <root>/draft_feature holds a finished feature draft (EAGLE-3 shape): the target
+with it speculatively ('spec_feature').
 Every batch size serves the same config.prompts prompts (round-robin over domains) in calls of
 b rows (at batch 1: one call per prompt). Every sampler is compiled ahead of time for
 max_new_tokens N and for 1; all are timed round-robin (load drift on a shared machine hits them
@@ -28,7 +30,7 @@ from specjax import jsonio
 from specjax.checkpoint import load_model
 from specjax.data import build_tokenizer
 from specjax.evaluation import intervals, measure
-from specjax.evaluation.pairs import draft_vocab_ids
+from specjax.evaluation.pairs import draft_vocab_ids, num_params
 from specjax.evaluation.prompts import make_prompts
 from specjax.models import split
 from specjax.parallel import make_mesh
@@ -37,6 +39,8 @@ from specjax.sampling.calibrate import interleaved_times
 from specjax.sampling.draft_vocab import DraftVocab
 
 METHODS = ('target', 'draft_distilled', 'spec_ce', 'spec_distilled')
+FEATURE = 'draft_feature'  # a feature-draft workdir beside the others (SmolLM2 preset) ...
+FEATURE_METHOD = 'spec_feature'  # ... is also served with the target, timed like METHODS
 SAMPLED = ('target', 'draft_distilled', 'draft_ce', 'spec_distilled')  # shown side by side
 
 
@@ -82,6 +86,13 @@ def run(config, workdir: str, root: str) -> dict:
         name: load_model(os.path.join(root, name), mesh=mesh, rules=rules)[0]
         for name in ('target', 'draft_ce', 'draft_distilled')
     }
+    methods = METHODS
+    if os.path.exists(os.path.join(root, FEATURE, 'results.json')):
+        from specjax.distill.feature_mode import load_feature_draft
+
+        # params on the default device; the sampler places them on the mesh (as spec_eval)
+        models[FEATURE] = load_feature_draft(os.path.join(root, FEATURE))[0]
+        methods += (FEATURE_METHOD,)
     split_models = {name: split(m) for name, m in models.items()}
     # Reduced-vocabulary drafts (draft_vocab.json): ids maps draft index -> target id.
     vocab = {name: draft_vocab_ids(os.path.join(root, name)) for name in models}
@@ -104,6 +115,7 @@ def run(config, workdir: str, root: str) -> dict:
     sampler = _sampler_factory(split_models, vocab, k, common)
     inputs_for = lambda method, tokens: alone_inputs(vocab.get(method), target_vocab, tokens)
     calls, compiled, outputs, per_pass, rows = _compile_all(
+        methods,
         sampler,
         inputs_for,
         prompts,
@@ -121,7 +133,7 @@ def run(config, workdir: str, root: str) -> dict:
         'repeats': int(config.repeats),
         'sampling': sampling.to_dict(),
         'param_bytes': {name: _param_bytes(p) for name, (_, p) in split_models.items()},
-        'num_params': {name: m.config.num_params for name, m in models.items()},
+        'num_params': {name: num_params(m) for name, m in models.items()},
         'prompts': {
             'count': len(rows),
             'per_domain': {
@@ -129,7 +141,7 @@ def run(config, workdir: str, root: str) -> dict:
             },
             'calls_per_pass': {str(b): per_pass[b] for b in batch_sizes},
         },
-        'rows': _rows(batch_sizes, n, k, times, timing, compiled, outputs, vocab),
+        'rows': _rows(methods, batch_sizes, n, k, times, timing, compiled, outputs, vocab),
         'samples': _samples(config, tok, prompts, rows, outputs, vocab, max(batch_sizes)),
         'environment': measure.environment(),
         'process_memory': measure.process_memory(),
@@ -177,12 +189,12 @@ def _chunks(rows: np.ndarray, b: int) -> list[np.ndarray]:
     return out
 
 
-def _compile_all(sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: int):
-    """Every (method, batch, max_new) compiled ahead of time and decoded once.
+def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: int):
+    """Every (method, batch, max_new) of `methods` compiled ahead of time and decoded once.
 
     Each batch size serves the same `count` prompts (serve_rows) in batches of b: at batch 1,
     `count` calls of one row. Returns (calls, compiled, outputs, calls_per_pass):
-    calls[(method, batch, max_new)] decodes all of them again (only the METHODS: draft_ce alone
+    calls[(method, batch, max_new)] decodes all of them again (only `methods`: draft_ce alone
     is decoded for its samples, not timed); outputs[(method, batch)] holds the N-token decode on
     host, (tokens [count, N], lengths [count]) in serve_rows order.
     """
@@ -192,8 +204,8 @@ def _compile_all(sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: 
         chunks = _chunks(rows, b)
         per_pass[b] = len(chunks)
         inputs = [(prompts.tokens[idx], prompts.lengths[idx]) for idx in chunks]
-        for method in METHODS + (('draft_ce',) if b == max(batch_sizes) else ()):
-            for max_new in (n, 1) if method in METHODS else (n,):
+        for method in methods + (('draft_ce',) if b == max(batch_sizes) else ()):
+            for max_new in (n, 1) if method in methods else (n,):
                 fn, params = sampler(method, max_new)
                 toks = [(inputs_for(method, t), ln) for t, ln in inputs]
                 c = measure.compile_sampler(fn, params, *toks[0], rng)
@@ -208,17 +220,18 @@ def _compile_all(sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: 
                         np.concatenate([np.asarray(o.tokens) for o in outs])[: len(rows)],
                         np.concatenate([np.asarray(o.lengths) for o in outs])[: len(rows)],
                     )
-                if method not in METHODS:
+                if method not in methods:
                     del calls[key]  # samples only: not timed
     return calls, compiled, outputs, per_pass, rows
 
 
-def _rows(batch_sizes, n: int, k: int, times, timing, compiled, outputs, vocab) -> list:
-    """One row per (batch, method): TTFT, TPOT, tokens/s, memory, agreement with the target
-    (times: seconds per call, the median over repeats; timing: the N-token pass's repeats)."""
+def _rows(methods, batch_sizes, n: int, k: int, times, timing, compiled, outputs, vocab) -> list:
+    """One row per (batch, method of `methods`): TTFT, TPOT, tokens/s, memory, agreement with
+    the target (times: seconds per call, the median over repeats; timing: the N-token pass's
+    repeats)."""
     rows = []
     for b in batch_sizes:
-        for method in METHODS:
+        for method in methods:
             t_n, t_1 = times[method, b, n], times[method, b, 1]
             tokens, _ = outputs[method, b]
             same = alone_tokens(vocab.get(method), tokens) == outputs['target', b][0]

@@ -19,6 +19,7 @@ PAIRS = {  # spec_eval stage -> (label, training stage of the draft)
     'spec_ce': ('cross-entropy draft', 'draft_ce'),
     'spec_distilled': ('distilled draft', 'draft_distilled'),
     'spec_cotrain': ('co-trained pair', 'cotrain'),
+    'spec_feature': ('feature draft (EAGLE-3)', 'draft_feature'),
 }
 REF_K = 4  # k of the bucket tables (or the largest evaluated k below it)
 SERVE_NAMES = {
@@ -27,6 +28,7 @@ SERVE_NAMES = {
     'draft_ce': 'cross-entropy draft alone',
     'spec_ce': 'target + CE draft (speculative)',
     'spec_distilled': 'target + distilled draft (both)',
+    'spec_feature': 'target + feature draft (EAGLE-3, speculative)',
 }
 MIB = 2.0**20
 
@@ -37,11 +39,12 @@ def _json(path: str):
 
 
 def load(root: str) -> dict:
-    """Every JSON the report reads, by stage name (cotrain / spec_cotrain / teacher_cache only
-    where the preset has them: SmolLM2's has a teacher cache and no co-training)."""
+    """Every JSON the report reads, by stage name (cotrain / spec_cotrain / teacher_cache /
+    draft_feature / spec_feature only where the preset has them: SmolLM2's has a teacher cache
+    and a feature draft, and no co-training)."""
     d = {'run': _json(os.path.join(root, 'quickstart.json'))}
-    optional = {'cotrain', 'spec_cotrain'}
-    for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain'):
+    optional = {'cotrain', 'spec_cotrain', 'draft_feature', 'spec_feature'}
+    for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain', 'draft_feature'):
         path = os.path.join(root, stage, 'results.json')
         if stage not in optional or os.path.exists(path):
             d[stage] = _json(path)
@@ -59,7 +62,8 @@ def load(root: str) -> dict:
 
 
 def pairs(d: dict) -> dict:
-    """The PAIRS this run has (no spec_cotrain in the SmolLM2 preset)."""
+    """The PAIRS this run has (no spec_cotrain in the SmolLM2 preset, no spec_feature in the
+    embedded one)."""
     return {stage: v for stage, v in PAIRS.items() if stage in d}
 
 

@@ -49,6 +49,9 @@ def section_setup(d: dict) -> list[str]:
                 d['cotrain']['alpha_T1'],
             ],
         ]
+    if 'draft_feature' in d:  # alpha_step0: teacher-forced on the target's true features
+        f = d['draft_feature']
+        rows.append(['feature draft (EAGLE-3)', f['num_params_draft'], '-', f['alpha_step0']])
     secs = d['run']['stage_seconds']
     cpu = d['run'].get('stage_cpu_seconds', {})
     beside = d['run'].get('stage_beside', {})
@@ -109,18 +112,19 @@ def section_training(d: dict) -> list[str]:
     sep = cpu.get('target', 0.0) + cpu.get('draft_distilled', 0.0)
     k = ref_k(d['spec_distilled'])
     label = 'T=1,top_k=0,top_p=1'  # spec_eval's sampling label (human_label: 'T = 1')
-    k_ce, k_di, k_co = (
-        run_at(d[s], label, k)['block_efficiency'] if s in d and label in labels(d[s]) else None
+    tau = {
+        s: run_at(d[s], label, k)['block_efficiency'] if s in d and label in labels(d[s]) else None
         for s in PAIRS
-    )
+    }
     return [
         '## Alpha over training steps',
         '',
         markdown_table(['draft', 'step', 'alpha_T0', 'alpha_T1'], rows),
         '',
         (matched_compute(d, sep, cpu) if 'cotrain' in d else COTRAIN_SKIPPED)
-        + f' Measured tau at k = {k}, T = 1 (spec_eval): cross-entropy {fmt(k_ce)}, distilled '
-        f'{fmt(k_di)}, co-trained {fmt(k_co)}.',
+        + f' Measured tau at k = {k}, T = 1 (spec_eval): '
+        + ', '.join(f'{PAIRS[s][0]} {fmt(v)}' for s, v in tau.items() if s in d)
+        + '.',
         '',
     ]
 

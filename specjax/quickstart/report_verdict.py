@@ -92,6 +92,12 @@ def verdict_rows(d: dict) -> list[list]:
         rows.append(
             _spec_row(d, 'spec_distilled', 'both (target + distilled draft)', 'draft_distilled')
         )
+    if 'spec_feature' in d:
+        rows.append(
+            _spec_row(
+                d, 'spec_feature', 'speculate with a feature draft (EAGLE-3)', 'draft_feature'
+            )
+        )
     return rows
 
 

@@ -11,8 +11,12 @@ them alike: each in <workdir>/<stage>, finished when its results file exists):
   draft_ce         a reduced-vocabulary draft (vocab N), cross-entropy on the packed corpus rows
   draft_distilled  the same draft, same steps and tokens per step, FKL to the cached restricted
                    teacher on its continuations
-  spec_ce, spec_distilled, serve, report   as in the embedded-corpus quickstart; spec_eval and
-                   serving read each draft's draft_vocab.json and pass draft_vocab_ids
+  draft_feature    an EAGLE-3-shaped feature draft (one layer over SmolLM2's low/mid/high
+                   hidden states, the N ids) on the same continuations, training-time test
+                   (specjax.quickstart.smollm2_feature)
+  spec_ce, spec_distilled, spec_feature, serve, report   as in the embedded-corpus quickstart;
+                   spec_eval and serving read each draft's draft_vocab.json and pass
+                   draft_vocab_ids
 The cotrain stage is not part of this preset: co-training updates the 135M target, which this
 CPU cannot do in the quickstart's budget (the report says so).
 
@@ -80,6 +84,10 @@ def check_config(config) -> None:
                 f'config.{name}.draft.max_len={config[name].draft.max_len} is shorter than the '
                 f'cached rows ({tc.data.seq_len} tokens, config.teacher_cache.data.seq_len)'
             )
+    if 'draft_feature' in config:
+        from specjax.quickstart.smollm2_feature import check_config as check_feature
+
+        check_feature(config.draft_feature, int(tc.data.seq_len))
 
 
 def _tokenizer_dir(root: str) -> str:
@@ -280,12 +288,13 @@ def run_serve(cfg, wd, root):
 def stages(config=None):
     """The Stage tuple of this preset (specjax.quickstart.stages.Stage). serve needs
     spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
-    spec_eval stages."""
+    spec_eval stages. It serves the feature draft too (specjax.evaluation.serving)."""
+    from specjax.quickstart.smollm2_feature import run_draft_feature
     from specjax.quickstart.stages import Stage, run_report
 
     drafts = ('target', 'teacher_cache')
     fixed_k = config is not None and int(config.serve.k) > 0
-    serve_needs = ('target', 'draft_ce', 'draft_distilled') + (
+    serve_needs = ('target', 'draft_ce', 'draft_distilled', 'draft_feature') + (
         () if fixed_k else ('spec_distilled',)
     )
     return (
@@ -293,6 +302,7 @@ def stages(config=None):
         Stage('teacher_cache', 'teacher_cache', 'cache.json', ('target',), run_teacher_cache),
         Stage('draft_ce', 'draft_ce', 'results.json', drafts, run_draft),
         Stage('draft_distilled', 'draft_distilled', 'results.json', drafts, run_draft),
+        Stage('draft_feature', 'draft_feature', 'results.json', drafts, run_draft_feature),
         Stage(
             'spec_ce',
             'spec_eval',
@@ -306,6 +316,13 @@ def stages(config=None):
             'spec_eval.json',
             ('target', 'draft_distilled'),
             spec_eval_stage('draft_distilled'),
+        ),
+        Stage(
+            'spec_feature',
+            'spec_eval',
+            'spec_eval.json',
+            ('target', 'draft_feature'),
+            spec_eval_stage('draft_feature'),
         ),
         Stage(
             'serve',
@@ -325,6 +342,8 @@ def stages(config=None):
                 'draft_distilled',
                 'spec_ce',
                 'spec_distilled',
+                'draft_feature',
+                'spec_feature',
                 'serve',
             ),
             run_report,

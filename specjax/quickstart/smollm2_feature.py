@@ -1,0 +1,102 @@
+"""The SmolLM2 preset's feature draft: EAGLE-3's shape trained on the teacher cache's rows.
+
+Stage `draft_feature` (specjax.quickstart.smollm2.stages) runs the `feature_draft` mode
+(specjax.distill.feature_mode: checkpoints, bit-identical resume, the workdir lock, SIGTERM ->
+exit 42) with SmolLM2 (<root>/target) as the frozen target and, as its rows, the ones the
+distilled draft trains on: SmolLM2's own continuations of corpus prompts in
+<root>/teacher_cache/teacher.npz (`train_*`, DistillSpec's teacher-generated data), drawn in the
+distilled draft's row order (specjax.distill.reduced_task.RowOrder, same seed) and fed to the
+mode as its 'dataset' source. The target's features of the chosen layers are recomputed online
+in each step (SmolLM2 fits beside the draft), so nothing but the token rows is cached. The
+draft proposes the cache's N ids (<root>/teacher_cache/vocab.json), as the other two drafts do.
+Evaluation: the TTT loss and alpha per unrolled step on the cache's held-out corpus rows
+(`eval_*`); spec_eval (stage spec_feature) measures acceptance and speed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+CACHE_DIR = 'teacher_cache'
+
+
+def cache_rows(arrays: dict, prefix: str, rows) -> dict:
+    """A host batch (tokens, positions, segment_ids, domain_ids int32 [B, T]) of cached rows."""
+    out = {
+        x: np.asarray(arrays[f'{prefix}_{x}'][rows], np.int32)
+        for x in ('tokens', 'positions', 'segment_ids')
+    }
+    out['domain_ids'] = np.zeros_like(out['tokens'])  # the cache keeps no domains
+    return out
+
+
+def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int):
+    """The feature mode's RunData over the teacher cache: train rows in RowOrder(seed), the
+    first `eval_batches` batches of its held-out rows; the corpus identity (checked on resume)
+    is a fingerprint of those cached arrays."""
+    from specjax.distill.reduced_task import RowOrder, fingerprint
+    from specjax.distill.reduced_train import load_cache
+    from specjax.train.runs import RunData
+
+    _, arrays = load_cache(cache_dir)
+    m = len(arrays['train_tokens'])
+    order = RowOrder(lambda rows: cache_rows(arrays, 'train', rows), m, batch, seed)
+    n_eval = len(arrays['eval_tokens'])
+    evals = [
+        cache_rows(arrays, 'eval', np.arange(a, min(a + batch, n_eval)))
+        for a in range(0, n_eval, batch)
+    ][: max(int(eval_batches), 1)]
+    return RunData(
+        train=order,
+        eval_batches=evals,
+        tokenizer=tok.identity(),
+        corpus={'teacher_cache': fingerprint(arrays, ('train', 'eval'))},
+        vocab_size=tok.vocab_size,
+        domains=('all',),
+        eos_id=tok.eos_id,
+    )
+
+
+def check_config(cfg, seq_len: int) -> None:
+    """ValueError naming the field: rows as long as the cache's, the 'dataset' source."""
+    if int(cfg.data.seq_len) != seq_len:
+        raise ValueError(
+            f'config.draft_feature.data.seq_len={cfg.data.seq_len} must equal the cached rows '
+            f'({seq_len} tokens, config.teacher_cache.data.seq_len)'
+        )
+    if cfg.distill.source != 'dataset':
+        raise ValueError(
+            f"config.draft_feature.distill.source={cfg.distill.source!r} must be 'dataset': "
+            "the rows are the teacher cache's continuations"
+        )
+
+
+def run_draft_feature(cfg, wd, root):
+    """The stage: SmolLM2's tokenizer from <root>/target, then train_on_cache."""
+    from specjax import data as data_lib
+
+    cfg.data.tokenizer = 'huggingface'
+    cfg.data.tokenizer_path = os.path.join(root, 'target')
+    train_on_cache(cfg, wd, root, data_lib.build_tokenizer(cfg.data))
+
+
+def train_on_cache(cfg, wd, root, tok) -> dict:
+    """The feature_draft mode of `cfg` (configs/feature_draft.py's sections) into `wd`, with
+    <root>/target as the target, <root>/teacher_cache's N ids as the vocabulary and its rows as
+    the data -> the mode's results (<wd>/results.json unless preempted; a rerun resumes)."""
+    from specjax.distill.feature_mode import run_feature_draft
+    from specjax.distill.reduced_train import VOCAB_FILE
+
+    cfg.distill.teacher_workdir = os.path.join(root, 'target')
+    cache_dir = os.path.join(root, CACHE_DIR)
+    cfg.feature.vocab_file = os.path.join(cache_dir, VOCAB_FILE)
+    data = cache_data(
+        cache_dir,
+        tok,
+        int(cfg.train.batch_size),
+        int(cfg.seed),
+        int(cfg.train.eval_batches),
+    )
+    return run_feature_draft(cfg, wd, data=data)
