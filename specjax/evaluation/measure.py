@@ -8,6 +8,7 @@ compile time is separate from run time and the executable's `memory_analysis()` 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import resource
@@ -16,7 +17,7 @@ import time
 import jax
 import psutil
 
-from specjax.parallel.distributed import barrier
+from specjax.parallel.distributed import agreed_max, barrier
 from specjax.sampling import common
 from specjax.sampling.calibrate import interleaved_times
 
@@ -107,7 +108,10 @@ def floored_times(calls: dict, repeats: int, floor_s: float) -> tuple[dict, dict
 
     Each call is timed once (untimed probe) and then repeated `passes` = ceil(floor_s / probe)
     times inside every timed region, so regions of a few milliseconds do not decide a ranking.
-    Returns (name -> list of `repeats` seconds per single call, name -> passes).
+    With several processes every one runs each call the same number of times (the largest
+    `passes` any process found: agreed_max), or their collectives would stop matching (gloo
+    aborts with 'Received data size doesn't match expected size'). The seconds are this
+    process's own. Returns (name -> list of `repeats` seconds per single call, name -> passes).
     """
     passes = {}
     for name, fn in calls.items():
@@ -115,6 +119,9 @@ def floored_times(calls: dict, repeats: int, floor_s: float) -> tuple[dict, dict
         jax.block_until_ready(fn())
         probe = time.perf_counter() - t0
         passes[name] = max(1, math.ceil(floor_s / probe)) if probe > 0 and floor_s > 0 else 1
+    if floor_s > 0:  # else 1 everywhere
+        passes = dict(zip(passes, agreed_max(list(passes.values()))))
+    logging.info('timing passes per region: %s', passes)
 
     def repeated(fn, n):
         return lambda: [fn() for _ in range(n)]

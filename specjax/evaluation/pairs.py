@@ -4,11 +4,11 @@ random init."""
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 from flax import nnx
 
+from specjax import workdir as workdir_lib
 from specjax.distill.feature_mode import CONFIG_KEY as FEATURE_CONFIG_KEY
 from specjax.distill.feature_mode import load_feature_draft
 from specjax.models import FeatureDraft, FeatureDraftConfig, Transformer, TransformerConfig
@@ -53,12 +53,14 @@ DRAFT_VOCAB_FILE = 'draft_vocab.json'  # written by specjax.distill.reduced_trai
 
 
 def draft_vocab_ids(workdir: str) -> list[int] | None:
-    """The target ids a reduced-vocabulary draft proposes (<workdir>/draft_vocab.json), or None."""
-    path = os.path.join(os.path.expanduser(workdir or ''), DRAFT_VOCAB_FILE)
-    if not workdir or not os.path.exists(path):
+    """The target ids a reduced-vocabulary draft proposes (<workdir>/draft_vocab.json), or None.
+    Local or remote (gs://) workdirs alike (specjax.workdir.path)."""
+    if not workdir:
         return None
-    with open(path) as f:
-        return [int(i) for i in json.load(f)['ids']]
+    path = workdir_lib.path(workdir) / DRAFT_VOCAB_FILE
+    if not path.exists():
+        return None
+    return [int(i) for i in json.loads(path.read_text())['ids']]
 
 
 def load_models(config, tok, mesh) -> tuple[Transformer, Transformer | FeatureDraft, dict]:

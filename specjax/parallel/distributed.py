@@ -85,6 +85,16 @@ def host_rows(sharding, global_array):
     return np.concatenate([x[a:b] for a, b in rows]) if rows else x[:0]
 
 
+def agreed_max(values: list[int]) -> list[int]:
+    """Per position, the largest of every process's `values` (ints, the same length on each):
+    a count of device calls that every process must run alike. A collective (process_allgather)
+    with several processes; `values` itself with one."""
+    if jax.process_count() == 1:
+        return [int(v) for v in values]
+    gathered_PN = multihost_utils.process_allgather(np.asarray(values, np.int32).reshape(1, -1))
+    return [int(v) for v in np.asarray(gathered_PN).reshape(jax.process_count(), -1).max(0)]
+
+
 def to_host(tree):
     """Every leaf as a numpy array of its global value, on every process.
 
