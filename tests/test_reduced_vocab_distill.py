@@ -230,8 +230,8 @@ def test_smollm2_preset_parses_and_validates(tmp_path):
         assert c.draft_ce.draft.vocab_size == c.teacher_cache.reduced_vocab_size
     assert _load_config('preset=smollm2').size == 'full'
     names = [s.name for s in quickstart.selected(c)]
-    assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'spec_ce',
-                     'spec_distilled', 'serve', 'report']  # fmt: skip
+    assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'draft_feature',
+                     'spec_ce', 'spec_distilled', 'spec_feature', 'serve', 'report']  # fmt: skip
     assert 'cotrain' not in names
     quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))  # nothing recorded: ok
     c.stages = 'draft_ce'
