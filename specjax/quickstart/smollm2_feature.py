@@ -24,10 +24,9 @@ CACHE_DIR = 'teacher_cache'
 
 def cache_rows(arrays: dict, prefix: str, rows) -> dict:
     """A host batch (tokens, positions, segment_ids, domain_ids int32 [B, T]) of cached rows."""
-    out = {
-        x: np.asarray(arrays[f'{prefix}_{x}'][rows], np.int32)
-        for x in ('tokens', 'positions', 'segment_ids')
-    }
+    from specjax.distill.reduced_train import BATCH3
+
+    out = {x: np.asarray(arrays[f'{prefix}_{x}'][rows], np.int32) for x in BATCH3}
     out['domain_ids'] = np.zeros_like(out['tokens'])  # the cache keeps no domains
     return out
 
@@ -44,10 +43,8 @@ def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int):
     m = len(arrays['train_tokens'])
     order = RowOrder(lambda rows: cache_rows(arrays, 'train', rows), m, batch, seed)
     n_eval = len(arrays['eval_tokens'])
-    evals = [
-        cache_rows(arrays, 'eval', np.arange(a, min(a + batch, n_eval)))
-        for a in range(0, n_eval, batch)
-    ][: max(int(eval_batches), 1)]
+    starts = range(0, n_eval, batch)[: max(int(eval_batches), 1)]
+    evals = [cache_rows(arrays, 'eval', np.arange(a, min(a + batch, n_eval))) for a in starts]
     return RunData(
         train=order,
         eval_batches=evals,
