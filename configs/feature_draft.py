@@ -25,7 +25,15 @@ Common variations (all config fields):
   --config.feature.vocab_file=DIR/vocab.json --config.feature.vocab_size=1024  reduced vocabulary
   --config.distill.divergence=fkl|tvd|neg_log_alpha|rkl|jsd
   --config.distill.source=teacher|dataset   the target's continuations of data prompts, or data
-The target's features are recomputed by the frozen target in every step (no feature cache).
+  --config.feature.cache=False          False (default): the frozen target recomputes its
+                                        features and logits in every step (what the 'teacher'
+                                        source needs: its rows are new every step). True: read
+                                        them from the target's outputs on a finite row set,
+                                        computed once and kept in bfloat16
+                                        (specjax.distill.feature_cache); needs source=dataset and
+                                        a caller that builds the cache (the SmolLM2 quickstart
+                                        preset's draft_feature stage, which sets it)
+Evaluation always runs the frozen target on the held-out rows (float32).
 Rerunning with the same --workdir resumes (the target must be the same checkpoint); the draft
 loads with specjax.distill.feature_mode.load_feature_draft(workdir).
 """

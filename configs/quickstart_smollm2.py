@@ -42,8 +42,9 @@ _PRESETS = {
         ks=(1, 2, 4),
         prompts_per_domain=8,  # 16 prompts, two batches (8 gave acceptance 0.19, alpha 0.24)
         serve_batches=(1,),  # (1, 8) doubles the serving stage's compiles
-        # the feature draft's steps (batch: `batch`, rows: the cache's); each recomputes
-        # SmolLM2's features and logits on 8 x 128 tokens: ~10 s a step on 2 quiet CPU cores
+        # the feature draft's steps (batch: `batch`, rows: the cache's). Recomputing SmolLM2's
+        # features and logits on 8 x 128 tokens took ~10 s a step on 2 quiet CPU cores; with
+        # feature.cache they are computed once per train row (<wd>/feature_cache, bfloat16)
         feature_steps=100,
     ),
     'tiny': dict(
@@ -144,6 +145,9 @@ def _feature_draft(p: dict, data) -> ml_collections.ConfigDict:
     c = _load('feature_draft', 'size=tiny')
     c.data = ml_collections.ConfigDict(data.to_dict())
     c.distill.source = 'dataset'  # the rows: the cache's continuations (smollm2_feature)
+    # SmolLM2's features and log-probs over the N ids on those (finite) rows, computed once and
+    # kept in bfloat16 in <wd>/feature_cache; False: SmolLM2 runs in every step
+    c.feature.cache = True
     c.feature.vocab_size = p['n']
     c.train.steps = p['feature_steps']
     c.train.batch_size = p['batch']

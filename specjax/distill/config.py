@@ -238,6 +238,10 @@ def default_feature_config() -> ml_collections.ConfigDict:
     c.vocab_file = ''  # JSON with 'ids' (target ids, most frequent first); '' = full vocabulary
     c.vocab_size = 0  # the first vocab_size ids of vocab_file (0 = all of them)
     c.freeze_embedding = True  # keep the embedding copied from the target fixed
+    # the target's features and log-probs on a finite row set computed once, kept in bfloat16
+    # (specjax.distill.feature_cache; needs source 'dataset' and a caller that builds it: the
+    # SmolLM2 preset's stage); False: the frozen target runs in every step
+    c.cache = False
     return c
 
 
@@ -304,5 +308,12 @@ def validate_feature_draft_config(config) -> None:
     if not isinstance(f.freeze_embedding, bool):
         raise ValueError(
             f'config.feature.freeze_embedding must be True or False, got {f.freeze_embedding!r}'
+        )
+    if not isinstance(f.cache, bool):
+        raise ValueError(f'config.feature.cache must be True or False, got {f.cache!r}')
+    if f.cache and d.source != 'dataset':
+        raise ValueError(
+            f"config.feature.cache=True needs config.distill.source='dataset' (a finite row set), "
+            f'got {d.source!r}, whose rows are new every step'
         )
     check_teacher_workdir(d, 'feature_draft')

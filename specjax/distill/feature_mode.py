@@ -6,7 +6,11 @@ the workdir lock, SIGTERM -> preempted, metrics.jsonl).
 Data: config.distill.source 'teacher' (default): each step the target continues the batch's
 data prompts (prompt_len + max_new_tokens, config.sampling; the distill mode's generator and its
 per-(seed, step) key), or 'dataset': the packed data rows. The target's features of
-config.feature.feature_layers are recomputed in the step by the frozen target (no feature cache).
+config.feature.feature_layers and its logits are recomputed in the step by the frozen target, or,
+with config.feature.cache, read from the training batches (`features`, `target_logp`: a
+specjax.distill.feature_cache the caller built for a finite row set and passes as
+`feature_cache`; results.json then records its size and build time). Evaluation always runs the
+frozen target (float32), cached or not.
 The draft starts from the target's embedding (from_target; kept fixed with freeze_embedding)
 and is trained with config.train's optimizer on the target's mesh (config.mesh.draft_rules).
 
@@ -34,6 +38,7 @@ from flax import nnx
 
 from specjax import workdir as workdir_lib
 from specjax.checkpoint import Checkpoints, CorruptCheckpoint, abstract_with_shardings
+from specjax.distill import feature_cache as fc
 from specjax.distill import feature_ttt as ttt
 from specjax.distill import sources
 from specjax.distill.config import (
@@ -145,7 +150,14 @@ def loss_identity(config) -> dict:
     """The loss and data fields a resumed run must match (the draft's own are in its config)."""
     d, f = config.distill, config.feature
     out = {k: d[k] for k in ('divergence', 'beta', 'source', 'prompt_len', 'max_new_tokens')}
-    return dict(out, ttt_steps=f.ttt_steps, step_decay=f.step_decay)
+    data = 'cached-bf16' if f.cache else 'online'  # where the target's side comes from
+    return dict(out, ttt_steps=f.ttt_steps, step_decay=f.step_decay, feature_data=data)
+
+
+def load_target(config):
+    """(the frozen target, its mesh, its rules): config.distill's checkpoint on config.mesh."""
+    d, mesh, (rules, _) = config.distill, make_mesh(config.mesh), mesh_rules(config.mesh)
+    return load_teacher(d.teacher_workdir, int(d.teacher_step), mesh=mesh, rules=rules), mesh, rules
 
 
 def _abstract_draft(draft_cfg):
@@ -171,19 +183,23 @@ def plan_state(draft_cfg, teacher, tx, seed: int, mesh, rules):
 
 
 class FeatureStepper:
-    """Task.step: the step's batch (the target's continuations or the data rows), then the
-    jitted step. The step index is read from the state once and then counted here, so the
-    generation key depends only on (seed, step), as in the distill mode."""
+    """Task.step: the step's batch (the target's continuations or the data rows, with their
+    cached features and target_logp when `cached`), then the jitted step. The step index is read
+    from the state once and then counted here, so the generation key depends only on
+    (seed, step), as in the distill mode."""
 
-    def __init__(self, step_fn, teacher, generator, put, seed: int):
+    def __init__(self, step_fn, teacher, generator, put, seed: int, cached: bool = False):
         self.step_fn, self.teacher, self.generator, self.put = step_fn, teacher, generator, put
-        self.seed, self._step = seed, None
+        self.seed, self._step, self.cached = seed, None, cached
 
     def __call__(self, state, host_batch):
         if self._step is None:
             self._step = int(jax.device_get(state.step))
         if self.generator is None:
-            batch = self.put(sources.dataset_batch(host_batch))
+            batch = sources.dataset_batch(host_batch)
+            if self.cached:
+                batch.update({k: host_batch[k] for k in ttt.CACHED_KEYS})
+            batch = self.put(batch)
         else:
             key = sources.generation_key(self.seed, self._step)
             out = self.generator(self.teacher.params, host_batch, key)
@@ -228,13 +244,18 @@ def make_evaluate(eval_fn, batches, s: ttt.TTTSettings):
     return evaluate
 
 
-def build_feature_draft(config, data: DistillData, draft_cfg, ids):
-    """Loads the target, plans the draft's state, jits the step -> (Task, parts)."""
+def build_feature_draft(
+    config, data: DistillData, draft_cfg, ids, *, teacher=None, feature_cache=None
+):
+    """Loads the target (unless `teacher`, load_target's), plans the draft's state, jits the
+    step (cached with `feature_cache`, whose rows data.train's batches carry) -> (Task, parts)."""
     d = config.distill
-    mesh = make_mesh(config.mesh)
-    rules, draft_rules = mesh_rules(config.mesh)  # the target's, the draft's
-    teacher = load_teacher(d.teacher_workdir, int(d.teacher_step), mesh=mesh, rules=rules)
+    mesh, (rules, draft_rules) = make_mesh(config.mesh), mesh_rules(config.mesh)
+    teacher = load_target(config)[0] if teacher is None else teacher
     check_compatible(teacher, teacher.config, data.tokenizer)
+    target_identity, cached = teacher.identity(), feature_cache is not None
+    if cached:
+        fc.check_matches(feature_cache, target_identity, draft_cfg.feature_layers, ids)
     tx = make_optimizer(config.train)
     if draft_cfg.freeze_embedding:
         tx = ttt.frozen_embedding(tx)
@@ -253,6 +274,7 @@ def build_feature_draft(config, data: DistillData, draft_cfg, ids):
         ids,
         (shardings, t_shardings, b_sharding),
         mesh,
+        cached=cached,
     )
     eval_fn = ttt.jit_eval(
         graphdef, teacher.graphdef, s, ids, (shardings.params, t_shardings, b_sharding), mesh
@@ -265,6 +287,7 @@ def build_feature_draft(config, data: DistillData, draft_cfg, ids):
         )  # fmt: skip
     put = batch_placer(b_sharding, ttt.STEP_KEYS)
     batches = eval_batches(data.eval_batches, generator, teacher.params, put, int(config.seed))
+    put = batch_placer(b_sharding, ttt.STEP_KEYS + (ttt.CACHED_KEYS if cached else ()))
     evaluate = make_evaluate(eval_fn, batches, s)
     rows = feature_row_lengths(config)[-1]
     vocab = {
@@ -276,7 +299,7 @@ def build_feature_draft(config, data: DistillData, draft_cfg, ids):
         mode=MODE,
         init_state=init,
         abstract_state=abstract,
-        step=FeatureStepper(step_fn, teacher, generator, put, int(config.seed)),
+        step=FeatureStepper(step_fn, teacher, generator, put, int(config.seed), cached),
         batches=data.train,
         put_batch=lambda batch: batch,
         evaluate=lambda state: evaluate(state, teacher.params),
@@ -285,7 +308,7 @@ def build_feature_draft(config, data: DistillData, draft_cfg, ids):
             VOCAB_KEY: vocab,
             'tokenizer': data.tokenizer,
             'corpus': data.corpus,
-            'teacher': teacher.identity(),
+            'teacher': target_identity,
             'feature_loss': loss_identity(config),
         },
         metadata={'config': config, 'num_params': num_params},
@@ -294,13 +317,26 @@ def build_feature_draft(config, data: DistillData, draft_cfg, ids):
     return task, dict(teacher=teacher, graphdef=graphdef, vocab=vocab, num_params=num_params)
 
 
-def run_feature_draft(config, workdir: str, *, data: DistillData | None = None, on_step=None):
+def run_feature_draft(
+    config,
+    workdir: str,
+    *,
+    data: DistillData | None = None,
+    on_step=None,
+    teacher=None,
+    feature_cache=None,
+):
     """Trains the feature draft of config into `workdir` (resuming from its checkpoints) ->
-    results (also <workdir>/results.json unless preempted). Holds the workdir lock."""
+    results (also <workdir>/results.json unless preempted). Holds the workdir lock. teacher:
+    the target already loaded by load_target; feature_cache: the FeatureCache whose rows
+    data.train's batches carry (config.feature.cache)."""
     draft_cfg, ids = prepare(config, data_config=data is None)  # before any tokenizer is built
+    fc.check_config(config, feature_cache)
     with workdir_lib.opened(workdir, MODE) as workdir:
         data = load_data(config) if data is None else data
-        task, parts = build_feature_draft(config, data, draft_cfg, ids)
+        task, parts = build_feature_draft(
+            config, data, draft_cfg, ids, teacher=teacher, feature_cache=feature_cache
+        )
         result = run_loop(task, workdir, config.train, on_step=on_step)
         results = {
             'mode': MODE,
@@ -314,6 +350,8 @@ def run_feature_draft(config, workdir: str, *, data: DistillData | None = None, 
             'draft_vocab_size': draft_cfg.vocab_size,
             **result.eval,
         }
+        if feature_cache is not None:
+            results['feature_cache'] = feature_cache.summary()
         if not result.preempted and ids is not None and jax.process_index() == 0:
             with open(os.path.join(workdir, DRAFT_VOCAB_FILE), 'w') as fh:
                 json.dump(parts['vocab'], fh)

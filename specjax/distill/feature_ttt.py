@@ -20,6 +20,13 @@ both over the draft's vocabulary: with a reduced map of N target ids the target'
 restricted to those ids and renormalised there), averaged over positions whose next token is a
 training target (the batch's loss_mask, as the distill loss) and whose anchor t-j lies in t's
 document; total = sum_j step_decay^j * loss_j (EAGLE-3's geometric weights, not normalised).
+
+Where the target's side comes from (`targets`): online, the frozen target run on the batch in the
+step (its logits and features, float32); cached, the batch's `target_logp` (the target's
+log-softmax already restricted to the draft's vocabulary) and `features`, stored in bfloat16 by
+specjax.distill.feature_cache and cast to float32 in the step. The divergence softmaxes the
+target's side, which leaves log-probs as they are, so both give the same loss up to the cache's
+rounding.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from specjax.parallel import replicated
 from specjax.parallel.sharding import on_mesh
 
 STEP_KEYS = ('tokens', 'positions', 'segment_ids', 'loss_mask')  # what a step reads
+CACHED_KEYS = ('features', 'target_logp')  # ... and a cached step too (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,21 +174,37 @@ def target_forward(teacher_gd, teacher_params, batch, feature_layers):
     return jax.lax.stop_gradient(out)
 
 
-def draft_loss(draft_gd, params, teacher_gd, teacher_params, batch, s: TTTSettings, ids_N):
-    """ttt_loss of the draft `params` against the target on `batch` -> (loss, metrics)."""
+def targets(teacher_gd, teacher_params, batch, s: TTTSettings, ids_N, cached: bool):
+    """(the target's logits or log-probs, features [B, T, n, E], the ids restricting the
+    former): online, the frozen target on `batch` (logits [B, T, V], ids_N); cached, the
+    batch's target_logp [B, T, N] (already over the draft's vocabulary: ids None) and features,
+    float32 (teacher_params unused)."""
+    if cached:
+        f32 = lambda key: jax.lax.stop_gradient(batch[key].astype(jnp.float32))
+        return f32('target_logp'), f32('features'), None
     logits, features = target_forward(teacher_gd, teacher_params, batch, s.feature_layers)
+    return logits, features, ids_N
+
+
+def draft_loss(
+    draft_gd, params, teacher_gd, teacher_params, batch, s: TTTSettings, ids_N, cached=False
+):
+    """ttt_loss of the draft `params` against the target (`targets`) on `batch`."""
+    logits, features, ids = targets(teacher_gd, teacher_params, batch, s, ids_N, cached)
     if s.freeze_embedding:
         params = jax.tree_util.tree_map_with_path(
             lambda path, x: jax.lax.stop_gradient(x) if _is_embedding(path) else x, params
         )
-    return ttt_loss(nnx.merge(draft_gd, params), logits, features, batch, s, ids_N)
+    return ttt_loss(nnx.merge(draft_gd, params), logits, features, batch, s, ids)
 
 
-def feature_step(draft_gd, teacher_gd, state, teacher_params, batch, *, tx, schedule, s, ids_N):
+def feature_step(
+    draft_gd, teacher_gd, state, teacher_params, batch, *, tx, schedule, s, ids_N, cached=False
+):
     """TrainState of the draft + frozen target params + batch -> (state, metrics)."""
     grad_fn = jax.value_and_grad(draft_loss, argnums=1, has_aux=True)
     (_, metrics), grads = grad_fn(
-        draft_gd, state.params, teacher_gd, teacher_params, batch, s, ids_N
+        draft_gd, state.params, teacher_gd, teacher_params, batch, s, ids_N, cached
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -189,10 +213,18 @@ def feature_step(draft_gd, teacher_gd, state, teacher_params, batch, *, tx, sche
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
 
-def jit_feature_step(draft_gd, teacher_gd, tx, schedule, s, ids_N, shardings, mesh):
-    """feature_step jitted once; shardings: (state, teacher params, batch); state donated."""
+def jit_feature_step(draft_gd, teacher_gd, tx, schedule, s, ids_N, shardings, mesh, cached=False):
+    """feature_step jitted once; shardings: (state, teacher params, batch); state donated.
+    cached: the batch carries CACHED_KEYS and the target is not run (its params are unused)."""
     fn = functools.partial(
-        feature_step, draft_gd, teacher_gd, tx=tx, schedule=schedule, s=s, ids_N=ids_N
+        feature_step,
+        draft_gd,
+        teacher_gd,
+        tx=tx,
+        schedule=schedule,
+        s=s,
+        ids_N=ids_N,
+        cached=cached,
     )
     return jax.jit(
         on_mesh(fn, mesh),
@@ -202,7 +234,7 @@ def jit_feature_step(draft_gd, teacher_gd, tx, schedule, s, ids_N, shardings, me
     )
 
 
-def jit_eval(draft_gd, teacher_gd, s, ids_N, shardings, mesh):
+def jit_eval(draft_gd, teacher_gd, s, ids_N, shardings, mesh, cached=False):
     """(draft params, target params, batch) -> ttt_loss metrics; shardings: those three."""
-    fn = lambda p, tp, b: draft_loss(draft_gd, p, teacher_gd, tp, b, s, ids_N)[1]
+    fn = lambda p, tp, b: draft_loss(draft_gd, p, teacher_gd, tp, b, s, ids_N, cached)[1]
     return jax.jit(on_mesh(fn, mesh), in_shardings=shardings, out_shardings=replicated(mesh))

@@ -6,9 +6,13 @@ exit 42) with SmolLM2 (<root>/target) as the frozen target and, as its rows, the
 distilled draft trains on: SmolLM2's own continuations of corpus prompts in
 <root>/teacher_cache/teacher.npz (`train_*`, DistillSpec's teacher-generated data), drawn in the
 distilled draft's row order (specjax.distill.reduced_task.RowOrder, same seed) and fed to the
-mode as its 'dataset' source. The target's features of the chosen layers are recomputed online
-in each step (SmolLM2 fits beside the draft), so nothing but the token rows is cached. The
-draft proposes the cache's N ids (<root>/teacher_cache/vocab.json), as the other two drafts do.
+mode as its 'dataset' source. With config.draft_feature.feature.cache (the preset's setting),
+SmolLM2's features of the chosen layers and its log-probs over the N ids are computed once for
+all the cache's train rows and kept in bfloat16 in <wd>/feature_cache
+(specjax.distill.feature_cache: resumed if interrupted, reused by a rerun; its size and build
+time in results.json), and each step reads its rows' from there; without it the target
+recomputes them in every step (it fits beside the draft). The draft proposes the cache's N ids
+(<root>/teacher_cache/vocab.json), as the other two drafts do.
 Evaluation: the TTT loss and alpha per unrolled step on the cache's held-out corpus rows
 (`eval_*`); spec_eval (stage spec_feature) measures acceptance and speed.
 """
@@ -20,19 +24,26 @@ import os
 import numpy as np
 
 CACHE_DIR = 'teacher_cache'
+FEATURE_CACHE_DIR = 'feature_cache'  # in the stage's workdir (config.feature.cache)
 
 
-def cache_rows(arrays: dict, prefix: str, rows) -> dict:
-    """A host batch (tokens, positions, segment_ids, domain_ids int32 [B, T]) of cached rows."""
+def cache_rows(arrays: dict, prefix: str, rows, features=None) -> dict:
+    """A host batch (tokens, positions, segment_ids, domain_ids int32 [B, T]) of cached rows,
+    with their features and target_logp (bfloat16) from `features`, a FeatureCache of the
+    `prefix` rows, when given."""
+    from specjax.distill import feature_cache
     from specjax.distill.reduced_train import BATCH3
 
     out = {x: np.asarray(arrays[f'{prefix}_{x}'][rows], np.int32) for x in BATCH3}
     out['domain_ids'] = np.zeros_like(out['tokens'])  # the cache keeps no domains
+    if features is not None:
+        out.update(feature_cache.rows(features, rows))
     return out
 
 
-def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int):
-    """The feature mode's RunData over the teacher cache: train rows in RowOrder(seed), the
+def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int, features=None):
+    """The feature mode's RunData over the teacher cache: train rows in RowOrder(seed) (with
+    their cached features from `features`, a FeatureCache of the train rows, when given), the
     first `eval_batches` batches of its held-out rows; the corpus identity (checked on resume)
     is a fingerprint of those cached arrays."""
     from specjax.distill.reduced_task import RowOrder, fingerprint
@@ -41,7 +52,7 @@ def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int):
 
     _, arrays = load_cache(cache_dir)
     m = len(arrays['train_tokens'])
-    order = RowOrder(lambda rows: cache_rows(arrays, 'train', rows), m, batch, seed)
+    order = RowOrder(lambda rows: cache_rows(arrays, 'train', rows, features), m, batch, seed)
     n_eval = len(arrays['eval_tokens'])
     starts = range(0, n_eval, batch)[: max(int(eval_batches), 1)]
     evals = [cache_rows(arrays, 'eval', np.arange(a, min(a + batch, n_eval))) for a in starts]
@@ -57,16 +68,19 @@ def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int):
 
 
 def check_config(cfg, seq_len: int) -> None:
-    """ValueError naming the field: rows as long as the cache's, the 'dataset' source."""
+    """ValueError naming the field: rows as long as the cache's, the 'dataset' source (the
+    feature cache, config.draft_feature.feature.cache, is of those rows)."""
     if int(cfg.data.seq_len) != seq_len:
         raise ValueError(
             f'config.draft_feature.data.seq_len={cfg.data.seq_len} must equal the cached rows '
             f'({seq_len} tokens, config.teacher_cache.data.seq_len)'
         )
     if cfg.distill.source != 'dataset':
+        cached = ' (and config.draft_feature.feature.cache=True caches their features)'
         raise ValueError(
             f"config.draft_feature.distill.source={cfg.distill.source!r} must be 'dataset': "
             "the rows are the teacher cache's continuations"
+            + (cached if cfg.feature.get('cache') else '')
         )
 
 
@@ -79,21 +93,34 @@ def run_draft_feature(cfg, wd, root):
     train_on_cache(cfg, wd, root, data_lib.build_tokenizer(cfg.data))
 
 
-def train_on_cache(cfg, wd, root, tok) -> dict:
+def train_on_cache(cfg, wd, root, tok, on_step=None) -> dict:
     """The feature_draft mode of `cfg` (configs/feature_draft.py's sections) into `wd`, with
     <root>/target as the target, <root>/teacher_cache's N ids as the vocabulary and its rows as
-    the data -> the mode's results (<wd>/results.json unless preempted; a rerun resumes)."""
-    from specjax.distill.feature_mode import run_feature_draft
-    from specjax.distill.reduced_train import VOCAB_FILE
+    the data -> the mode's results (<wd>/results.json unless preempted; a rerun resumes;
+    on_step: run_loop's).
+    cfg.feature.cache: SmolLM2 is loaded once, its outputs on every train row are cached in
+    <wd>/feature_cache (built, resumed or reused) and the steps read them from there."""
+    from specjax import workdir as workdir_lib
+    from specjax.distill import feature_cache, feature_mode
+    from specjax.distill.reduced_train import BATCH3, VOCAB_FILE, load_cache
 
     cfg.distill.teacher_workdir = os.path.join(root, 'target')
     cache_dir = os.path.join(root, CACHE_DIR)
     cfg.feature.vocab_file = os.path.join(cache_dir, VOCAB_FILE)
-    data = cache_data(
-        cache_dir,
-        tok,
-        int(cfg.train.batch_size),
-        int(cfg.seed),
-        int(cfg.train.eval_batches),
-    )
-    return run_feature_draft(cfg, wd, data=data)
+    batch = int(cfg.train.batch_size)
+    args = (cache_dir, tok, batch, int(cfg.seed), int(cfg.train.eval_batches))
+    if not cfg.feature.cache:
+        return feature_mode.run_feature_draft(cfg, wd, data=cache_data(*args), on_step=on_step)
+    draft_cfg, ids = feature_mode.prepare(cfg, data_config=False)  # before SmolLM2 loads
+    with workdir_lib.opened(wd, feature_mode.MODE) as wd:  # the mode re-enters the lock
+        teacher, mesh, rules = feature_mode.load_target(cfg)
+        arrays = load_cache(cache_dir)[1]
+        train = {x: arrays[f'train_{x}'] for x in BATCH3}
+        features = feature_cache.build_or_load(
+            teacher, train, draft_cfg.feature_layers, ids, batch,
+            os.path.join(wd, FEATURE_CACHE_DIR), mesh=mesh, rules=rules,
+        )  # fmt: skip
+        data = cache_data(*args, features=features)
+        return feature_mode.run_feature_draft(
+            cfg, wd, data=data, on_step=on_step, teacher=teacher, feature_cache=features
+        )
