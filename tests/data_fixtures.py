@@ -11,6 +11,7 @@ Persistent location: $SPECJAX_TEST_CACHE, else ~/.cache/specjax-tests.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 
@@ -121,9 +122,16 @@ def prepare_toy(data_dir: str) -> str:
 
 @functools.cache
 def prepared_stdlib_dir() -> str:
-    """A persistent TFDS data_dir with `specjax_stdlib` prepared (~1-2 s the first time)."""
+    """A persistent TFDS data_dir with `specjax_stdlib` prepared (~1-2 s the first time). An
+    exclusive file lock makes concurrent pytest workers (pytest-xdist) prepare it once."""
     data_dir = os.path.join(test_cache_dir(), 'tfds')
-    prepare_stdlib(data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, '.prepare.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            prepare_stdlib(data_dir)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return data_dir
 
 
