@@ -136,13 +136,16 @@ def interleaved_cpu_wall(calls: dict, repeats: int) -> dict:
     return times
 
 
-def calibrations(target, draft, batch_sizes, widths, *, context_len, capacity, repeats):
-    """batch -> specjax.sampling.calibrate.Calibration (c and v(k) for k in widths)."""
+def calibrations(target, draft, batch_sizes, widths, *, context_len, capacity, repeats,
+                 draft_vocab_ids=None):  # fmt: skip
+    """batch -> specjax.sampling.calibrate.Calibration (c and v(k) for k in widths; a reduced
+    draft's draft_vocab_ids as the samplers take them)."""
     from specjax.sampling.calibrate import calibrate
 
     return {
         b: calibrate(target, draft, batch_size=b, ks=sorted(set(widths)), context_len=context_len,
-                     capacity=capacity, iters=8, repeats=max(repeats, 3))
+                     capacity=capacity, iters=8, repeats=max(repeats, 3),
+                     draft_vocab_ids=draft_vocab_ids)
         for b in batch_sizes
     }  # fmt: skip
 
@@ -170,6 +173,15 @@ def measure(target, draft, tokens_NP, lengths_N, *, grid: Grid, batch_sizes, tem
                 for i, (toks, lens) in enumerate(batches(tokens_NP, lengths_N, b)):
                     args = (*params, toks, lens, jax.random.fold_in(key, i))
                     calls[(name, t, b, i)] = (lambda fn, a: lambda: fn(*a))(spec['fn'], args)
+    # The calibration first: it is short, so a pair it refuses costs nothing of the timings.
+    widths = [s['nodes'] for s in specs.values() if s['kind'] != 'ar']
+    cal = {}
+    if calibrate and widths:
+        capacity = min(target.config.max_len, tokens_NP.shape[1] + max_new + max(widths) + 1)
+        context = min(int(np.mean(lengths_N)) + max_new // 2, capacity - max(widths) - 1)
+        cal = calibrations(target, draft, batch_sizes, widths, context_len=context,
+                           capacity=capacity, repeats=repeats,
+                           draft_vocab_ids=draft_vocab_ids)  # fmt: skip
     outputs, first = {}, {}
     compile_started = time.perf_counter()
     for name, fn in calls.items():  # first calls: compile (one per sampler and shape) and run
@@ -180,13 +192,6 @@ def measure(target, draft, tokens_NP, lengths_N, *, grid: Grid, batch_sizes, tem
             log(f'first call {name[0]} T={name[1]:g} b={name[2]}: {time.perf_counter() - w0:.1f} s')
     compile_s = time.perf_counter() - compile_started
     times = interleaved_cpu_wall(calls, repeats)
-    widths = [s['nodes'] for s in specs.values() if s['kind'] != 'ar']
-    cal = {}
-    if calibrate and widths:
-        capacity = min(target.config.max_len, tokens_NP.shape[1] + max_new + max(widths) + 1)
-        context = min(int(np.mean(lengths_N)) + max_new // 2, capacity - max(widths) - 1)
-        cal = calibrations(target, draft, batch_sizes, widths, context_len=context,
-                           capacity=capacity, repeats=repeats)  # fmt: skip
     resampled, skey = {}, jax.random.fold_in(key, 1_000_003)  # keys unlike the timed calls'
     for (name, t, b), spec in specs.items():
         if sibling_keys and spec['kind'] == 'tree' and t > 0 and b == max(batch_sizes):
