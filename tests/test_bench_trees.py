@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sampling_models import GREEDY_PROMPTS, greedy_models, ragged_prompts
+from sampling_models import (
+    GREEDY_PROMPTS,
+    greedy_models,
+    make_model,
+    ragged_prompts,
+    tiny_config,
+)
 
 from benchmarks import tree_points, trees
 
@@ -100,3 +106,16 @@ def test_table_renders(result):
     text = trees.table(dict(result, prompts=2, max_new=MAX_NEW, repeats=1))
     assert '**Best shape**' in text and '**Sibling rules**' in text and 'chain k=2' in text
     assert '**Sibling rules, resampled**' in text
+
+
+def test_calibration_takes_a_reduced_drafts_vocabulary_map():
+    """A reduced-vocabulary draft (3 of the target's 5 ids) calibrates with its map, as the
+    samplers run it; without the map the vocabularies disagree and calibrate refuses."""
+    target = make_model(tiny_config(vocab_size=5), seed=0)
+    draft = make_model(tiny_config(vocab_size=3), seed=1)
+    kw = dict(context_len=4, capacity=16, repeats=1)
+    with pytest.raises(ValueError, match='vocab_size=5 != draft vocab_size=3'):
+        tree_points.calibrations(target, draft, (1,), [2], **kw)
+    ids = np.asarray([0, 2, 4], np.int32)
+    (cal,) = tree_points.calibrations(target, draft, (1,), [2], draft_vocab_ids=ids, **kw).values()
+    assert cal.c > 0 and set(cal.v) == {2}
