@@ -109,13 +109,13 @@ def test_table_renders(result):
 
 
 def test_calibration_takes_a_reduced_drafts_vocabulary_map():
-    """A reduced-vocabulary draft (3 of the target's 5 ids) calibrates with its map, as the
+    """A reduced-vocabulary draft (6 of the target's 12 ids) calibrates with its map, as the
     samplers run it; without the map the vocabularies disagree and calibrate refuses."""
-    target = make_model(tiny_config(vocab_size=5), seed=0)
-    draft = make_model(tiny_config(vocab_size=3), seed=1)
+    target = make_model(tiny_config(vocab_size=12), seed=0)
+    draft = make_model(tiny_config(vocab_size=6), seed=1)
     kw = dict(context_len=4, capacity=16, repeats=1)
-    with pytest.raises(ValueError, match='vocab_size=5 != draft vocab_size=3'):
+    with pytest.raises(ValueError, match='vocab_size=12 != draft vocab_size=6'):
         tree_points.calibrations(target, draft, (1,), [2], **kw)
-    ids = np.asarray([0, 2, 4], np.int32)
+    ids = np.arange(0, 12, 2, dtype=np.int32)
     (cal,) = tree_points.calibrations(target, draft, (1,), [2], draft_vocab_ids=ids, **kw).values()
     assert cal.c > 0 and set(cal.v) == {2}
