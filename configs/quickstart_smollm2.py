@@ -44,7 +44,8 @@ _PRESETS = {
         serve_batches=(1,),  # (1, 8) doubles the serving stage's compiles
         # the feature draft's steps (batch: `batch`, rows: the cache's). Recomputing SmolLM2's
         # features and logits on 8 x 128 tokens took ~10 s a step on 2 quiet CPU cores; with
-        # feature.cache they are computed once per train row (<wd>/feature_cache, bfloat16)
+        # feature.cache they are computed once per train row (<wd>/feature_cache, bfloat16; the
+        # cache of 512 rows took 740 s, then ~11 s a step, dominated by the draft's TTT unroll)
         feature_steps=100,
     ),
     'tiny': dict(
@@ -72,7 +73,7 @@ _ESTIMATES = {
         teacher_cache=690,
         draft_ce=300,
         draft_distilled=240,
-        draft_feature=900,
+        draft_feature=1900,  # the feature cache (740 s) + 100 steps (~11 s each)
         spec_ce=390,
         spec_distilled=270,
         spec_feature=300,
