@@ -110,8 +110,9 @@ def unroll(draft, tokens_BT, fused_BTE, positions_BT, segment_ids_BT, steps: int
             jnp.concatenate(feats, 1),
             jnp.tile(positions_BT, (1, j + 1)),
             mask=ttt_mask(segment_ids_BT, j),
+            last=t,  # step j's own block: earlier blocks' outputs are steps < j's
         )
-        outs.append((logits[:, -t:], state[:, -t:]))
+        outs.append((logits, state))
     return outs
 
 

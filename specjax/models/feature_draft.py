@@ -196,11 +196,12 @@ class FeatureDraft(nnx.Module):
         w = self.lm_head[...].astype(x.dtype)
         return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BT, features_BTE, positions=None, mask=None):
+    def __call__(self, tokens_BT, features_BTE, positions=None, mask=None, last=None):
         """tokens int32 [B, T] (c_t), features [B, T, E] (f_{t-1}) -> (logits float32
         [B, T, V_d], output state [B, T, E]). positions int32 [B, T] default 0..T-1; mask bool
         [B, T, T] (query t sees key s) default causal, e.g. a training-time-test mask; key
-        position 0 is hidden from later positions in either case."""
+        position 0 is hidden from later positions in either case. last=L: logits and state of
+        the last L entries only ([B, L, ...]; the head runs on those alone)."""
         b, t = tokens_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -208,6 +209,8 @@ class FeatureDraft(nnx.Module):
             mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
         mask = self._hide_entry_zero(mask, positions, positions)
         x, _ = self._layers(tokens_BT, features_BTE, positions, mask)
+        if last is not None:
+            x = x[:, -last:]
         return self._head(x), x
 
     def init_cache(self, batch_size: int, capacity: int) -> kvc.KVCache:

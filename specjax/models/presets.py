@@ -22,6 +22,7 @@ TARGETS = {
     'quickstart': _shape(192, 2, 4, 2, 512),  # 1.6M: the quickstart's CPU target
     'small': _shape(256, 3, 4, 2, 768),  # 3.4M: wide and shallow, fastest per token on CPU
     'base': _shape(1024, 24, 16, 8, 2816),  # 287M: an accelerator run
+    'smollm2': _shape(576, 30, 9, 3, 1536),  # SmolLM2-135M's shape (benchmarks without weights)
 }
 
 DRAFTS = {
