@@ -158,8 +158,11 @@ def _cache(setup, tmp_path):
                 'segment_ids': seg[:4],
             }
 
+    rt._teacher_program.cache_clear()  # other tests' rows have other shapes
     arrays = rt.teacher_arrays(graphdef, params, list(batches(2)), ids, K, 'train')
     arrays.update(rt.teacher_arrays(graphdef, params, list(batches(1)), ids, K, 'eval'))
+    # train and eval rows of one shape run one compiled teacher program
+    assert rt._teacher_program(graphdef, tuple(ids.tolist()), K)._cache_size() == 1
     vocab = {'ids': ids.tolist(), 'target_vocab_size': V}
     rt.save_cache(str(tmp_path / 'cache'), vocab, arrays)
     return str(tmp_path / 'cache')

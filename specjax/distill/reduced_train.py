@@ -25,6 +25,7 @@ leaves a workdir load_model reads (its last checkpoint's params), with draft_voc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -264,22 +265,31 @@ def teacher_continuations(
     return out
 
 
-def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dict:
-    """Runs the teacher once over `batches` (packed rows) -> the cache arrays for `prefix`."""
+@functools.lru_cache(maxsize=8)
+def _teacher_program(graphdef, ids: tuple[int, ...], k: int):
+    """One jitted teacher pass for both halves of the cache (train rows keep its top K, eval rows
+    its on-set log-probs, argmax and in-set loss), so train and eval rows of one shape share a
+    single compiled target program: (params, tokens, positions, segment_ids) ->
+    ((idx_BTK, logp_BTK), (logp_BTN, argmax_BT, nll sum, in-set count))."""
+    ids_N = jnp.asarray(ids, jnp.int32)
 
     @jax.jit
-    def topk(p, tokens, positions, seg):
-        return rv.teacher_topk(apply(graphdef, p, tokens, positions, seg), ids_N, k)
-
-    @jax.jit
-    def on_set(p, tokens, positions, seg):
+    def run(p, tokens, positions, seg):
         logits = apply(graphdef, p, tokens, positions, seg)
+        idx, logp_K = rv.teacher_topk(logits, ids_N, k)
         logp_N, argmax = rv.teacher_on_set(logits, ids_N)
         targets, mask = next_token_targets(tokens, seg)
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), targets[..., None], -1)
-        in_set = mask & jnp.isin(targets, jnp.asarray(ids_N, jnp.int32))
-        return logp_N, argmax, jnp.sum(nll[..., 0] * in_set), jnp.sum(in_set)
+        in_set = mask & jnp.isin(targets, ids_N)
+        on_set = (logp_N, argmax, jnp.sum(nll[..., 0] * in_set), jnp.sum(in_set))
+        return (idx, logp_K), on_set
 
+    return run
+
+
+def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dict:
+    """Runs the teacher once over `batches` (packed rows) -> the cache arrays for `prefix`."""
+    program = _teacher_program(graphdef, tuple(int(i) for i in np.asarray(ids_N)), int(k))
     out = {f'{prefix}_{k_}': [] for k_ in ('tokens', 'segment_ids', 'positions')}
     nll = count = 0.0
     for b in batches:
@@ -287,12 +297,12 @@ def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dic
         for name, x in zip(('tokens', 'positions', 'segment_ids'), (tokens, positions, seg)):
             out[f'{prefix}_{name}'].append(x)
         if prefix == 'train':
-            idx, logp = jax.device_get(topk(params, tokens, positions, seg))
+            idx, logp = jax.device_get(program(params, tokens, positions, seg)[0])
             idx_dtype = np.int16 if len(ids_N) <= np.iinfo(np.int16).max else np.int32
             out.setdefault('train_topk_idx', []).append(idx.astype(idx_dtype))
             out.setdefault('train_topk_logp', []).append(logp.astype(np.float16))
         else:
-            logp_N, argmax, s, n = jax.device_get(on_set(params, tokens, positions, seg))
+            logp_N, argmax, s, n = jax.device_get(program(params, tokens, positions, seg)[1])
             out.setdefault('eval_logp', []).append(logp_N.astype(np.float16))
             out.setdefault('eval_argmax', []).append(argmax.astype(np.int32))
             nll, count = nll + float(s), count + float(n)
