@@ -18,8 +18,10 @@ Benchmarks of a trained quickstart pair take `add_workdir_pair(p)` instead: --wo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
+from specjax import jsonio
 from specjax.models import presets
 
 COMPILATION_CACHE = '~/.cache/specjax/jax-cache'
@@ -176,3 +178,13 @@ def load_pair(workdir: str, draft: str):
     if t_meta.get('tokenizer') != d_meta.get('tokenizer'):
         raise ValueError(f'{workdir}: target and {draft} tokenizers differ')
     return target, draft_model
+
+
+def emit(result: dict, table: str, out: str | None) -> dict:
+    """Prints `table`, then `result` as one sorted JSON line, also written to `out` if given."""
+    print(table)
+    line = json.dumps(result, sort_keys=True)
+    print(line)
+    if out:
+        jsonio.write_text(out, line + '\n')
+    return result

@@ -18,13 +18,10 @@ Prints a table and one JSON line (also written to --out if given).
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 
 from benchmarks import cli
-from specjax import jsonio
 from specjax.distill import sources
 from specjax.distill.config import default_distill_config
 from specjax.distill.steps import LossSettings, draft_loss, forward, jit_distill_step, step_batch
@@ -184,12 +181,7 @@ def main(argv=None):
         args.divergence,
         args.repeats,
     )
-    print(format_table(result))
-    line = json.dumps(result, sort_keys=True)
-    print(line)
-    if args.out:
-        jsonio.write_text(args.out, line + '\n')
-    return result
+    return cli.emit(result, format_table(result), args.out)
 
 
 if __name__ == '__main__':

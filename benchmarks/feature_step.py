@@ -17,7 +17,6 @@ Prints a table and one JSON line (also written to --out if given).
 
 from __future__ import annotations
 
-import json
 import time
 
 import jax
@@ -26,7 +25,6 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import cli
-from specjax import jsonio
 from specjax.distill.feature_ttt import TTTSettings, jit_feature_step
 from specjax.models.feature_draft import FeatureDraft, FeatureDraftConfig, default_feature_layers
 from specjax.parallel import batch_sharding, default_mesh_config, make_mesh
@@ -138,12 +136,7 @@ def main(argv=None):
     result = run(
         args.target, args.batch, args.seq_len, args.draft_vocab, args.ttt_steps, args.repeats
     )
-    print(format_table(result))
-    line = json.dumps(result, sort_keys=True)
-    print(line)
-    if args.out:
-        jsonio.write_text(args.out, line + '\n')
-    return result
+    return cli.emit(result, format_table(result), args.out)
 
 
 if __name__ == '__main__':

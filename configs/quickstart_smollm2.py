@@ -45,7 +45,8 @@ _PRESETS = {
         # the feature draft's steps (batch: `batch`, rows: the cache's). Recomputing SmolLM2's
         # features and logits on 8 x 128 tokens took ~10 s a step on 2 quiet CPU cores; with
         # feature.cache they are computed once per train row (<wd>/feature_cache, bfloat16; the
-        # cache of 512 rows took 740 s, then ~11 s a step, dominated by the draft's TTT unroll)
+        # cache of 512 rows took 740 s beside another job; a cached step ~4.8 s quiet,
+        # benchmarks/feature_step.py, most of it the draft's TTT unroll)
         feature_steps=100,
     ),
     'tiny': dict(
@@ -73,7 +74,7 @@ _ESTIMATES = {
         teacher_cache=690,
         draft_ce=300,
         draft_distilled=240,
-        draft_feature=1900,  # the feature cache (740 s) + 100 steps (~11 s each)
+        draft_feature=1300,  # the feature cache (740 s) + 100 cached steps (~5 s each)
         spec_ce=390,
         spec_distilled=270,
         spec_feature=300,
