@@ -1,11 +1,15 @@
 r"""Benchmark (not a test): compile time of scanned (scan_layers) vs unrolled blocks.
 
   python -m benchmarks.scan_compile [--layers=12] [--d_model=256] [--repeats=2] [--out=PATH]
+  python -m benchmarks.scan_compile --shape=smollm2 --vocab_size=49152 --decode_only \
+      --decode_batch=4 --capacity=1024
 
-For each layout of one randomly initialised model: seconds to trace + lower and to XLA-compile
-the LM train step (forward, backward, AdamW; specjax.train.steps.jit_train_step, state donated)
-and the one-token cached decode call, then their run times (medians of --steps train steps and
-10 x --steps decode calls at half capacity, after a warm-up). The persistent compilation cache
+For each layout of one randomly initialised model (--shape: a specjax.models.presets.TARGETS
+shape instead of --layers/--d_model): seconds to trace + lower and to XLA-compile the LM train
+step (forward, backward, AdamW; specjax.train.steps.jit_train_step, state donated; skipped with
+--decode_only) and the one-token cached decode call at --decode_batch rows and --capacity
+positions, then their run times (medians of --steps train steps and 10 x --steps decode calls at
+half capacity, after a warm-up). The persistent compilation cache
 is off, a warm-up compile comes first, the layouts alternate in order and each compile figure is
 the minimum over --repeats, so load from other processes inflates both alike; report the
 unrolled/scanned ratios. Prints a table and one JSON line (also written to --out).
@@ -23,6 +27,7 @@ import numpy as np
 
 from benchmarks import cli
 from specjax import jsonio
+from specjax.models.presets import TARGETS
 
 
 def _time(fn):
@@ -115,37 +120,55 @@ def main(argv=None):
     p.add_argument('--batch_size', type=int, default=4)
     p.add_argument('--seq_len', type=int, default=128)
     p.add_argument('--steps', type=int, default=3)
+    p.add_argument('--shape', default='', choices=('', *TARGETS), help='overrides the above')
+    p.add_argument('--vocab_size', type=int, default=512)
+    p.add_argument('--decode_batch', type=int, default=0, help='0: --batch_size')
+    p.add_argument('--capacity', type=int, default=0, help='decode cache; 0: max(seq_len, 64)')
+    p.add_argument('--decode_only', action='store_true', help='skip the train step')
     args = p.parse_args(argv)
     jax.config.update('jax_enable_compilation_cache', False)
 
     from specjax.models import TransformerConfig
 
+    shape = dict(
+        d_model=args.d_model, n_layers=args.layers, n_heads=4, n_kv_heads=2, d_ff=4 * args.d_model
+    )
+    if args.shape:
+        shape = TARGETS[args.shape]
+    capacity = args.capacity or max(args.seq_len, 64)
+    decode_batch = args.decode_batch or args.batch_size
     base = TransformerConfig(
-        vocab_size=512, d_model=args.d_model, n_layers=args.layers, n_heads=4, n_kv_heads=2,
-        d_ff=4 * args.d_model, max_len=max(args.seq_len, 64),
-    )  # fmt: skip
+        vocab_size=args.vocab_size, max_len=max(args.seq_len, capacity, 64), **shape
+    )
     layouts = {'unrolled': base, 'scanned': dataclasses.replace(base, scan_layers=True)}
-    keys = ('train_lower_s', 'train_compile_s', 'decode_lower_s', 'decode_compile_s')
+    train = not args.decode_only
+    keys = ('train_lower_s', 'train_compile_s') * train + ('decode_lower_s', 'decode_compile_s')
     best = {name: dict.fromkeys(keys, float('inf')) for name in layouts}
     # Warm-up: a process's first compile also pays one-off costs (tracing caches, XLA setup).
-    _train_step(dataclasses.replace(base, n_layers=1), args.batch_size, args.seq_len)
-    _decode(dataclasses.replace(base, n_layers=1), args.batch_size, base.max_len)
+    if train:
+        _train_step(dataclasses.replace(base, n_layers=1), args.batch_size, args.seq_len)
+    _decode(dataclasses.replace(base, n_layers=1), decode_batch, capacity)
     compiled = {}
     for r in range(args.repeats):
         for name in sorted(layouts, reverse=bool(r % 2)):  # alternate which layout goes first
             cfg = layouts[name]
-            lower_s, compile_s, step, plan, batch = _train_step(cfg, args.batch_size, args.seq_len)
-            d_lower, d_compile, decode = _decode(cfg, args.batch_size, base.max_len)
-            for key, value in zip(keys, (lower_s, compile_s, d_lower, d_compile), strict=True):
+            figures, step = (), None
+            if train:
+                lower_s, compile_s, *step = _train_step(cfg, args.batch_size, args.seq_len)
+                figures = (lower_s, compile_s)
+            d_lower, d_compile, decode = _decode(cfg, decode_batch, capacity)
+            for key, value in zip(keys, (*figures, d_lower, d_compile), strict=True):
                 best[name][key] = min(best[name][key], value)
-            compiled[name] = (step, plan, batch, decode)
-    for name, (step, plan, batch, decode) in compiled.items():
-        best[name]['train_step_s'] = _run_seconds(step, plan, batch, args.steps, base.vocab_size)
+            compiled[name] = (step, decode)
+    for name, (step, decode) in compiled.items():
+        if train:
+            best[name]['train_step_s'] = _run_seconds(*step, args.steps, base.vocab_size)
         best[name]['decode_call_s'] = _decode_seconds(
-            decode, layouts[name], args.batch_size, base.max_len, 10 * args.steps
+            decode, layouts[name], decode_batch, capacity, 10 * args.steps
         )
     u, s = best['unrolled'], best['scanned']
-    timed = (*keys, 'train_step_s', 'decode_call_s')
+    timed = (*keys, 'train_step_s') if train else keys
+    timed = (*timed, 'decode_call_s')
     ratios = {k: u[k] / s[k] for k in timed}
     print(f'{"":18}{"unrolled":>10}{"scanned":>10}{"ratio":>8}')
     for k in timed:

@@ -52,6 +52,21 @@ _SCRIPT = textwrap.dedent(
   grad = jax.jit(jax.grad(loss), out_shardings=shardings)(sharded, tok)
   for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
     np.testing.assert_allclose(a, b, atol=1e-6)
+  # A scanned target (its KV cache stacked [n_layers, ...], kv heads over 'tensor') samples on
+  # the mesh what the unrolled one samples on one device.
+  import dataclasses
+  from specjax.models import layout
+  from specjax.sampling import SamplingConfig, autoregressive_sample, speculative_sample
+  scanned = layout.to_layout(nnx.merge(graphdef, params), True)
+  prompts, lens = np.asarray(tokens[:, :6]), np.array([6, 4, 5, 6], np.int32)
+  greedy = SamplingConfig(temperature=0.0)
+  ref = autoregressive_sample(nnx.merge(graphdef, params), prompts, lens, max_new_tokens=8,
+                              sampling=greedy, rng=0)
+  for fn in (autoregressive_sample, lambda m, *a, **k: speculative_sample(m, m, *a,
+             num_draft_tokens=2, **k)):
+    out = fn(scanned, prompts, lens, max_new_tokens=8, sampling=greedy, rng=0, mesh=mesh,
+             rules=mc.rules)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
   print('SHARDED_OK')
   """
 )

@@ -269,6 +269,7 @@ def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
     """config.init=target: before training, the draft's logits on in-set contexts are the
     target's first-layer early exit restricted to the ids; a shape that differs is refused."""
     from specjax.models.early_exit import early_exit_draft
+    from specjax.models.layout import to_layout
 
     teacher, ids = setup['teacher'], setup['ids']
     cfg = TransformerConfig(**dict(teacher.config.to_dict(), vocab_size=N))
@@ -278,6 +279,10 @@ def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
     mine = np.asarray(apply(graphdef, params, table[tokens]))
     ref = np.asarray(early_exit_draft(teacher, 1)(tokens))[..., ids]
     np.testing.assert_allclose(mine, ref, rtol=1e-5, atol=1e-5)
+    # a target imported with stacked blocks (scan_layers) gives the same unstacked draft
+    _, from_scanned = rt.restricted_early_exit(to_layout(teacher, True), ids, cfg)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(from_scanned), strict=True):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match=r'config.draft.d_model=8 must equal .* 16'):
         rt.restricted_early_exit(teacher, ids, TransformerConfig(**dict(cfg.to_dict(), d_model=8)))
     c, cache = _draft_config(1.0, 0.0, steps=2), _cache(setup, tmp_path)

@@ -117,9 +117,11 @@ def test_forward_and_cached_decode_match_token_by_token(pair, highest_precision)
     for t in range(3):
         step = tokens[np.arange(2), lengths + t][:, None]
         caches = call(caches, step, jnp.ones(2, jnp.int32))
-    assert isinstance(caches[1].k, tuple) and len(caches[1].k) == 3  # per-layer cache kept
-    for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(caches[1]), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    # the scanned model's cache is stacked [n_layers, ...] and holds the per-layer cache
+    assert caches[1].stacked and caches[1].k.shape[0] == 3 and not caches[0].stacked
+    np.testing.assert_allclose(caches[1].k, np.stack(caches[0].k), atol=1e-6)
+    np.testing.assert_allclose(caches[1].v, np.stack(caches[0].v), atol=1e-6)
+    np.testing.assert_array_equal(caches[1].lengths, caches[0].lengths)
     # An ancestor-only mask: node 2 does not see node 1 (its sibling).
     cap, base = 24, caches[0].lengths
     mask = jnp.arange(cap)[None, None] <= (base[:, None, None] + jnp.arange(8)[:, None])
@@ -213,3 +215,9 @@ def test_checkpoints_load_into_either_layout(pair, tmp_path):
     assert draft.config.scan_layers and draft.blocks.attn.q.shape[0] == 2
     flat_draft = early_exit_draft(pair[0], 2)
     _assert_trees_equal(nnx.state(draft), lay.stack_layers(nnx.state(flat_draft)))
+
+
+def test_scanned_model_refuses_a_per_layer_cache(pair):
+    sgd, sparams = split(pair[1])
+    with pytest.raises(ValueError, match='stacked KV cache'):
+        _cached(sgd, sparams, _tokens(2, 3), jnp.ones(2, jnp.int32), init_cache(CFG, 2, 24))

@@ -107,6 +107,7 @@ def restricted_early_exit(target, ids_N, draft_cfg: TransformerConfig):
     first draft_cfg.n_layers blocks and its final norm. ValueError naming the field whose shape
     differs (the draft's d_model, heads and d_ff must be the target's)."""
     from specjax.models.early_exit import early_exit_draft
+    from specjax.models.layout import to_layout
 
     t = target.config
     for field in ('d_model', 'n_heads', 'n_kv_heads', 'd_ff', 'head_dim', 'rope_theta', 'norm_eps'):
@@ -118,7 +119,7 @@ def restricted_early_exit(target, ids_N, draft_cfg: TransformerConfig):
             )
     if not draft_cfg.tie_embeddings:
         raise ValueError('config.init=target needs config.draft.tie_embeddings=True')
-    exit_ = early_exit_draft(target, draft_cfg.n_layers)
+    exit_ = to_layout(early_exit_draft(target, draft_cfg.n_layers), draft_cfg.scan_layers)
     draft = Transformer(draft_cfg, rngs=nnx.Rngs(0))
     draft.embed[...] = exit_.embed[...][np.asarray(ids_N)]
     nnx.update(draft.blocks, nnx.state(exit_.blocks))

@@ -5,6 +5,11 @@ of valid new tokens; rolling back rejected tokens is lowering a row's length. En
 row's length are masked and never read. `lax.dynamic_update_slice` clamps a write that would run
 past the end back onto valid entries, so callers check capacity (`check_capacity`) before
 compiling: a write at length L of T tokens needs L + T <= capacity.
+
+Two layouts, chosen by the model's config (`init_cache`): per-layer tuples for unrolled blocks,
+and for scan_layers one array per k and v stacked on a leading layer axis, which the scanned
+blocks read and update in place inside their `lax.scan` (no stacking or splitting per call).
+Code that rewrites cache entries goes through `map_layers`, which takes either layout.
 """
 
 from __future__ import annotations
@@ -18,19 +23,33 @@ from specjax.models.config import TransformerConfig
 
 @struct.dataclass
 class KVCache:
-    """k, v: per layer [B, capacity, n_kv_heads, head_dim]; lengths: int32 [B] valid entries."""
+    """k, v: per layer [B, capacity, n_kv_heads, head_dim] (a tuple), or stacked
+    [n_layers, B, capacity, n_kv_heads, head_dim] (one array, scan_layers models);
+    lengths: int32 [B] valid entries."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     lengths: jax.Array
 
     @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2] if self.stacked else self.k[0].shape[1]
 
     @property
     def batch_size(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1] if self.stacked else self.k[0].shape[0]
+
+
+def map_layers(fn, cache: KVCache) -> KVCache:
+    """`cache` with fn([B, capacity, K, D]) -> same shape applied to every layer's k and v, in
+    either layout (stacked: vmapped over the layer axis)."""
+    if cache.stacked:
+        return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v))
+    return cache.replace(k=tuple(map(fn, cache.k)), v=tuple(map(fn, cache.v)))
 
 
 def check_capacity(capacity: int, needed: int, what: str = 'cache capacity') -> None:
@@ -45,7 +64,8 @@ def check_capacity(capacity: int, needed: int, what: str = 'cache capacity') -> 
 def init_cache(
     cfg: TransformerConfig, batch_size: int, capacity: int, lengths=None, dtype=None
 ) -> KVCache:
-    """An empty (or `lengths`-prefilled-with-zeros) cache of `capacity` <= cfg.max_len positions."""
+    """An empty (or `lengths`-prefilled-with-zeros) cache of `capacity` <= cfg.max_len positions,
+    stacked on a leading layer axis when cfg.scan_layers (the layout the scanned blocks update)."""
     if capacity < 1 or capacity > cfg.max_len:
         raise ValueError(
             f'cache capacity={capacity} must be in [1, max_len={cfg.max_len}] '
@@ -53,14 +73,14 @@ def init_cache(
         )
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
     if lengths is None:
         lengths = jnp.zeros((batch_size,), jnp.int32)
-    return KVCache(
-        k=zeros,
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
-        lengths=jnp.asarray(lengths, jnp.int32),
-    )
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if cfg.scan_layers:
+        stacked = (cfg.n_layers, *shape)
+        return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype), lengths=lengths)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+    return KVCache(k=zeros(), v=zeros(), lengths=lengths)
 
 
 def write(cache_BCKD, new_BTKD, lengths_B):

@@ -85,28 +85,37 @@ class Transformer(nnx.Module):
     def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache, feature_layers=()):
         """The stacked blocks as one `lax.scan` body over their leading layer axis.
 
-        The cache keeps its per-layer tuples (the samplers' contract): stacked to
-        [n_layers, B, capacity, K, D] for the scan and split again after it. Features: the scan
-        also emits every layer's output [n_layers, B, T, E] (only when asked), then the listed
-        layers are taken from it.
+        The cache is stacked too ([n_layers, B, capacity, K, D], `init_cache` for this config)
+        and rides in the scan's carry: layer i reads its slice and writes it back at i, an
+        in-place update of the loop state (no copy of the whole cache per call). Features: the
+        scan also emits every layer's output [n_layers, B, T, E] (only when asked), then the
+        listed layers are taken from it.
         """
         graphdef, stacked = nnx.split(self.blocks)
+        if cache is not None and not cache.stacked:
+            raise ValueError(
+                'a scan_layers model takes a stacked KV cache ([n_layers, B, capacity, K, D]): '
+                'build it with init_cache(config, ...)'
+            )
         lengths = None if cache is None else cache.lengths
-        kv_L = None if cache is None else (jnp.stack(cache.k), jnp.stack(cache.v))
+        put = lambda a_L, a, i: jax.lax.dynamic_update_index_in_dim(a_L, a.astype(a_L.dtype), i, 0)
 
-        def body(x, layer):
-            params, kv = layer
+        def body(carry, layer):
+            x, kv_L = carry
+            params, i = layer
+            kv = None if kv_L is None else tuple(a_L[i] for a_L in kv_L)
             x, kv = nnx.merge(graphdef, params)(x, positions_BT, mask_BTS, kv, lengths)
-            return x, (None if cache is None else kv, x if feature_layers else None)
+            if kv_L is not None:
+                kv_L = tuple(put(a_L, a, i) for a_L, a in zip(kv_L, kv, strict=True))
+            return (x, kv_L), (x if feature_layers else None)
 
-        x_BTE, (kv_L, x_LBTE) = jax.lax.scan(body, x_BTE, (stacked, kv_L))
+        kv_L = None if cache is None else (cache.k, cache.v)
+        layers = (stacked, jnp.arange(self.config.n_layers))
+        (x_BTE, kv_L), x_LBTE = jax.lax.scan(body, (x_BTE, kv_L), layers)
         features = None
         if feature_layers:
             features = jnp.moveaxis(x_LBTE[jnp.asarray(feature_layers)], 0, 2)
-        if cache is None:
-            return x_BTE, None, features
-        kv = tuple(tuple(a[i] for i in range(self.config.n_layers)) for a in kv_L)
-        return x_BTE, kv, features
+        return x_BTE, kv_L, features
 
     def _feature_layers(self, feature_layers) -> tuple[int, ...]:
         """The requested layers as a tuple of ints in [0, n_layers); ValueError otherwise."""

@@ -110,13 +110,18 @@ def _divisible_spec(spec, shape, mesh) -> PartitionSpec:
 
 
 def cache_shardings(mesh, rules, cache):
-    """Shardings of a KVCache: [B, capacity, K, D] over CACHE_AXES, lengths over the batch.
+    """Shardings of a KVCache: [B, capacity, K, D] over CACHE_AXES (a stacked cache's leading
+    layer axis unsharded), lengths over the batch.
 
     A dimension that does not divide over its mesh axes (kv heads of a small draft) replicates.
     """
     spec = logical_to_spec(CACHE_AXES, rules)
-    kv = lambda x: NamedSharding(mesh, _divisible_spec(spec, x.shape, mesh))
     lengths = NamedSharding(mesh, logical_to_spec(LENGTHS_AXES, rules))
+    if cache.stacked:  # [n_layers, B, capacity, K, D]: the layer axis whole
+        stacked = PartitionSpec(None, *spec)
+        kv = lambda x: NamedSharding(mesh, _divisible_spec(stacked, x.shape, mesh))
+        return type(cache)(k=kv(cache.k), v=kv(cache.v), lengths=lengths)
+    kv = lambda x: NamedSharding(mesh, _divisible_spec(spec, x.shape, mesh))
     return type(cache)(k=tuple(map(kv, cache.k)), v=tuple(map(kv, cache.v)), lengths=lengths)
 
 

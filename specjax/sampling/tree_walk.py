@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models.kv_cache import gather_window
+from specjax.models.kv_cache import gather_window, map_layers
 from specjax.sampling import siblings as sib
 from specjax.sampling.transforms import inverse_cdf
 from specjax.sampling.verify import residual
@@ -152,5 +152,4 @@ def walk(tree: DraftedTree, p_BNV, uniform_BN1, uniform_B, *, depth: int, greedy
 
 def compact(cache, starts_B, order_BW):
     """Rewrites each row's W entries from starts[b] as starts[b] + order[b, :] (kv_cache)."""
-    move = lambda c: gather_window(c, starts_B, order_BW)
-    return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    return map_layers(lambda c: gather_window(c, starts_B, order_BW), cache)
