@@ -82,12 +82,19 @@ def test_spec_eval_reads_a_feature_draft_workdir(workdirs, tmp_path):
     assert written['calibration']['c'] > 0
 
 
-def test_serving_serves_a_feature_draft_beside_the_drafts(workdirs, tmp_path):
+def test_serving_serves_a_feature_draft_beside_the_drafts(workdirs, tmp_path, monkeypatch):
     """The serve stage with <root>/draft_feature present times the target with the feature draft
-    too ('spec_feature'); greedy, its tokens are the target's."""
+    too ('spec_feature'); greedy, its tokens are the target's. Each (method, batch) compiles
+    once: its 1-token (time to first token) call runs the same program with a limit of 1."""
     import ml_collections
 
-    from specjax.evaluation import serving
+    from specjax.evaluation import measure, serving
+
+    compiles = []
+    real_compile = measure.compile_sampler
+    monkeypatch.setattr(
+        measure, 'compile_sampler', lambda *a: compiles.append(a[0]) or real_compile(*a)
+    )
 
     root, data = workdirs
     serve_root = tmp_path / 'root'
@@ -114,3 +121,5 @@ def test_serving_serves_a_feature_draft_beside_the_drafts(workdirs, tmp_path):
     assert set(rows) == {'target', 'draft_distilled', 'spec_ce', 'spec_distilled', 'spec_feature'}
     assert rows['spec_feature']['same_tokens_as_target'] == 1.0 and rows['spec_feature']['k'] == 2
     assert result['num_params']['draft_feature'] > 0
+    assert len(compiles) == 5 + 1  # five methods at batch 1, draft_ce for its samples
+    assert all(0 < r['ttft_s'] for r in result['rows'])

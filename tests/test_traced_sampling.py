@@ -16,6 +16,7 @@ from sampling_models import GREEDY_PROMPTS, greedy_models, ragged_prompts
 from specjax.models import split
 from specjax.sampling import (
     SamplingConfig,
+    common,
     make_autoregressive_fn,
     make_speculative_fn,
     transform_logits,
@@ -29,8 +30,9 @@ MAX_NEW, BATCH, K = 8, 6, 2
 
 
 def _static(fn, sampling):
-    """fn's core with `sampling` static: what the samplers compiled before values were traced."""
-    jitted = jax.jit(lambda *args: fn.core(*args, sampling))
+    """fn's core with `sampling` (and its Stop) static: what the samplers compiled before values
+    were traced."""
+    jitted = jax.jit(lambda *args: fn.core(*args, (sampling, fn.values[1])))
     return lambda *args: jitted(*fn.place(args)[:-1])  # placed args without the traced values
 
 
@@ -91,6 +93,59 @@ def test_autoregressive_dynamic_sampling_shares_one_program_and_matches_static(p
     for s in (T0, TOP_P):
         _equal(outs[s], _static(make(s, False), s)(*args))
     assert not np.array_equal(outs[T07].tokens, outs[TOP_P].tokens)
+
+
+def _truncated(out, n):
+    """out's rows cut to their first n tokens (PAD_ID after), as a sampler built for n gives."""
+    lengths = np.minimum(np.asarray(out.lengths), n)
+    tokens = np.where(np.arange(out.tokens.shape[1]) < lengths[:, None], out.tokens, common.PAD_ID)
+    return tokens, lengths
+
+
+def _at_eos(out, eos):
+    """out's rows cut just after their first eos (kept), PAD_ID after."""
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths).copy()
+    for b in range(len(lengths)):
+        hits = np.flatnonzero(tokens[b, : lengths[b]] == eos)
+        lengths[b] = hits[0] + 1 if len(hits) else lengths[b]
+    return _truncated(common.SampleOutput(tokens, lengths, {}), MAX_NEW)
+
+
+@pytest.mark.parametrize('method', ['autoregressive', 'speculative'])
+def test_token_limit_and_eos_are_run_time_values_of_one_program(pair, method):
+    """with_max_new(n) and eos_id are jit arguments: the same compiled program gives what a
+    sampler built for n tokens gives, and each row cut just after its first eos; the buffer
+    (max_new_tokens) bounds n. Negative control: the cut changes the outputs."""
+    (tgd, tp), (dgd, dp), prompts, lengths = pair
+    if method == 'autoregressive':
+        make = lambda n, eos=None: make_autoregressive_fn(
+            tgd, max_new_tokens=n, sampling=T1, eos_id=eos
+        )
+        args = (tp, prompts, lengths, 5)
+    else:
+        make = lambda n, eos=None: make_speculative_fn(
+            tgd, dgd, num_draft_tokens=K, max_new_tokens=n, sampling=T1, eos_id=eos
+        )
+        args = (tp, dp, prompts, lengths, 5)
+    full = make(MAX_NEW)(*args)
+    short = make(MAX_NEW).with_max_new(3)(*args)
+    want = make(3)(*args)  # its own buffer: another program
+    np.testing.assert_array_equal(short.tokens[:, :3], want.tokens)
+    np.testing.assert_array_equal(short.lengths, want.lengths)
+    for name in ('row_emitted', 'row_rounds', 'row_accepted', 'row_drafted'):
+        if name in want.stats:
+            np.testing.assert_array_equal(short.stats[name], want.stats[name], err_msg=name)
+    np.testing.assert_array_equal(short.tokens, _truncated(full, 3)[0])
+    eos = int(np.asarray(full.tokens)[0, 2])  # a token row 0 emits third
+    cut = make(MAX_NEW, eos)(*args)
+    tokens, lens = _at_eos(full, eos)
+    np.testing.assert_array_equal(cut.lengths, lens)
+    np.testing.assert_array_equal(cut.tokens, tokens)
+    assert int(cut.lengths[0]) <= 3 < int(full.lengths[0])  # the eos reached the program
+    assert make(MAX_NEW)._jitted is make(MAX_NEW, eos)._jitted
+    assert make(MAX_NEW)._jitted._cache_size() == 1  # limit 8 and 3, eos none and set
+    with pytest.raises(ValueError, match='max_new <= its max_new_tokens=8'):
+        make(MAX_NEW).with_max_new(MAX_NEW + 1)
 
 
 @pytest.mark.parametrize('sampling', [T0, T07, TOP_P], ids=str)

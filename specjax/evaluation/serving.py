@@ -6,9 +6,11 @@ replacement), and the target with each draft speculatively (CE draft, distilled 
 and a fifth where <root>/draft_feature holds a finished feature draft (EAGLE-3 shape): the target
 with it speculatively ('spec_feature').
 Every batch size serves the same config.prompts prompts (round-robin over domains) in calls of
-b rows (at batch 1: one call per prompt). Every sampler is compiled ahead of time for
-max_new_tokens N and for 1; all are timed round-robin (load drift on a shared machine hits them
-alike), and times are per call. Per (method, batch):
+b rows (at batch 1: one call per prompt). Every sampler is compiled once, ahead of time, for
+max_new_tokens N; the 1-token call runs the same program with a run-time limit of 1
+(`with_max_new`: the token limit and eos are jit arguments), as a server allocating for the
+whole request would. All are timed round-robin (load drift on a shared machine hits them alike),
+and times are per call. Per (method, batch):
   ttft_s   time to first token = median time of the 1-token call (prefill + one token)
   tpot_s   time per output token after the first = (t_N - t_1) / (N - 1), medians
   tokens_per_s = batch * N / t_N; memory = XLA's estimate for the N-token executable
@@ -111,7 +113,10 @@ def run(config, workdir: str, root: str) -> dict:
     k = chosen_k(config, root)
     n = int(config.max_new_tokens)
     sampling = SamplingConfig(temperature=float(config.temperature))
-    common = dict(sampling=sampling, eos_id=None, mesh=mesh, rules=rules)
+    # the programs spec_eval compiled for this sampling (same batch, prompt width, tokens and
+    # k: shared, the eos and token limit being run-time values)
+    dynamic = not sampling.greedy or bool(ev.get('dynamic_greedy', False))
+    common = dict(sampling=sampling, eos_id=None, mesh=mesh, rules=rules, dynamic_sampling=dynamic)
     sampler = _sampler_factory(split_models, vocab, k, common)
     inputs_for = lambda method, tokens: alone_inputs(vocab.get(method), target_vocab, tokens)
     calls, compiled, outputs, per_pass, rows = _compile_all(
@@ -190,7 +195,8 @@ def _chunks(rows: np.ndarray, b: int) -> list[np.ndarray]:
 
 
 def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: int):
-    """Every (method, batch, max_new) of `methods` compiled ahead of time and decoded once.
+    """Every (method, batch) of `methods` compiled ahead of time for n tokens and decoded once;
+    its 1-token call (key (method, batch, 1)) runs that program with a run-time limit of 1.
 
     Each batch size serves the same `count` prompts (serve_rows) in batches of b: at batch 1,
     `count` calls of one row. Returns (calls, compiled, outputs, calls_per_pass):
@@ -205,23 +211,22 @@ def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng
         per_pass[b] = len(chunks)
         inputs = [(prompts.tokens[idx], prompts.lengths[idx]) for idx in chunks]
         for method in methods + (('draft_ce',) if b == max(batch_sizes) else ()):
-            for max_new in (n, 1) if method in methods else (n,):
-                fn, params = sampler(method, max_new)
-                toks = [(inputs_for(method, t), ln) for t, ln in inputs]
-                c = measure.compile_sampler(fn, params, *toks[0], rng)
-                key = (method, b, max_new)
-                compiled[key] = c
-                calls[key] = lambda c=c, params=params, toks=toks: [
-                    c(*params, t, ln, rng) for t, ln in toks
+            fn, params = sampler(method, n)
+            toks = [(inputs_for(method, t), ln) for t, ln in inputs]
+            c = measure.compile_sampler(fn, params, *toks[0], rng)
+            compiled[method, b, n] = c
+            first = measure.CompiledSampler(c.compiled, fn.with_max_new(1), c.compile_s)
+            for max_new, run in ((n, c), (1, first)):
+                calls[method, b, max_new] = lambda run=run, params=params, toks=toks: [
+                    run(*params, t, ln, rng) for t, ln in toks
                 ]
-                if max_new == n:
-                    outs = jax.device_get(jax.block_until_ready(calls[key]()))
-                    outputs[method, b] = (
-                        np.concatenate([np.asarray(o.tokens) for o in outs])[: len(rows)],
-                        np.concatenate([np.asarray(o.lengths) for o in outs])[: len(rows)],
-                    )
-                if method not in methods:
-                    del calls[key]  # samples only: not timed
+            outs = jax.device_get(jax.block_until_ready(calls[method, b, n]()))
+            outputs[method, b] = (
+                np.concatenate([np.asarray(o.tokens) for o in outs])[: len(rows)],
+                np.concatenate([np.asarray(o.lengths) for o in outs])[: len(rows)],
+            )
+            if method not in methods:  # samples only: not timed
+                del calls[method, b, n], calls[method, b, 1]
     return calls, compiled, outputs, per_pass, rows
 
 

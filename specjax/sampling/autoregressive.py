@@ -68,39 +68,41 @@ def make_autoregressive_fn(
     check_finite: bool = True,
 ):
     """fn(params, prompts, prompt_lengths, rng) -> SampleOutput; cached, and sharing compiled
-    programs between settings, like make_speculative_fn (`dynamic_sampling` and the guards
-    included)."""
+    programs between settings, eos ids and token limits (`fn.with_max_new`) like
+    make_speculative_fn (`dynamic_sampling` and the guards included)."""
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
     eos_id = common.check_eos(eos_id, common.config_of(graphdef).vocab_size)
     mesh = common.default_mesh() if mesh is None else mesh
     rules = common.normalize_rules(rules)
-    program = _cached_fn(graphdef, max_new, eos_id, mesh, rules, bool(check_finite))
-    return program.with_sampling(sampling, dynamic_sampling)
+    program = _cached_fn(graphdef, max_new, mesh, rules, bool(check_finite))
+    return program.with_sampling(sampling, dynamic_sampling, eos_id)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_fn(graphdef, max_new, eos_id, mesh, rules, check_finite):
+def _cached_fn(graphdef, max_new, mesh, rules, check_finite):
     def check(width):
         common.check_fits(
             common.config_of(graphdef), width, max_new, 1, 'autoregressive_sample model'
         )
 
     core = functools.partial(
-        _autoregressive_core, graphdef, max_new=max_new, eos_id=eos_id, layout=(mesh, rules),
+        _autoregressive_core, graphdef, max_new=max_new, layout=(mesh, rules),
         check_finite=check_finite,
     )  # fmt: skip
     models = (('model', graphdef, rules, 'rules'),)
     return common.ShardedSampler(
-        core, mesh, rules, check, models, takes_values=True, name='autoregressive_sample'
-    )
+        core, mesh, rules, check, models, takes_values=True, name='autoregressive_sample',
+        max_new_tokens=max_new,
+    )  # fmt: skip
 
 
 def _autoregressive_core(
-    graphdef, params, prompts, prompt_lengths, rng, sampling, *, max_new, eos_id, layout,
-    check_finite=True,
+    graphdef, params, prompts, prompt_lengths, rng, values, *, max_new, layout, check_finite=True,
 ):  # fmt: skip
-    """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
+    """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
+    same tokens) and a common.Stop (max_new: the buffer's size at most)."""
+    sampling, stop = values
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     cache = init_cache(common.config_of(graphdef), batch, width + max_new + 1)
@@ -128,9 +130,7 @@ def _autoregressive_core(
         )
         token = branch(is_greedy(sampling), argmax, sample, logits[:, 0])
         emitted = state['emitted'] + act
-        finished = emitted >= max_new
-        if eos_id is not None:
-            finished = finished | (token == eos_id)
+        finished = (emitted >= stop.max_new) | (token == stop.eos_id)
         out = common.write_rows(state['out'], token[:, None], state['emitted'])
         return dict(
             cache=cache,

@@ -53,6 +53,21 @@ class SampleOutput:
     stats: dict[str, jax.Array]
 
 
+@struct.dataclass
+class Stop:
+    """When a row ends, as jit arguments (int32 scalars, so one compiled sampler serves every
+    value): after max_new tokens (1 <= max_new <= the program's buffer, its max_new_tokens) or
+    at the first eos_id, which is kept (-1: no eos)."""
+
+    max_new: jax.Array
+    eos_id: jax.Array
+
+
+def stop_values(max_new: int, eos_id) -> Stop:
+    """A Stop of host int32 scalars; eos_id None -> -1 (never matches a token id)."""
+    return Stop(np.int32(max_new), np.int32(-1 if eos_id is None else eos_id))
+
+
 def config_of(graphdef) -> TransformerConfig:
     """The TransformerConfig a model's graphdef holds as a static attribute; for a feature draft
     (FeatureDraftConfig) the config of its own blocks and cache (vocab_size: its vocabulary)."""
@@ -165,13 +180,17 @@ class ShardedSampler:
     say a model produced non-finite logits (`checked`; see specjax.sampling.guards).
 
     With `takes_values`, core takes one more argument, a replicated pytree bound by
-    `with_values` (the traced sampling values): the samplers `with_values` returns share this
-    one's jit, so they compile once between them (per shape and values structure).
+    `with_values`: (TracedSampling, Stop), the sampling values and when rows end. The samplers
+    `with_values` returns share this one's jit, so they compile once between them (per shape
+    and values structure); `max_new_tokens` is the program's output buffer, the largest Stop.
     """
 
-    def __init__(self, core, mesh, rules, check, models=None, takes_values=False, name='sampler'):
+    def __init__(
+        self, core, mesh, rules, check, models=None, takes_values=False, name='sampler',
+        max_new_tokens=None,
+    ):  # fmt: skip
         self.core, self.mesh, self.rules, self.check = core, mesh, rules, check
-        self.name = name
+        self.name, self.max_new_tokens = name, max_new_tokens
         self.models, self.takes_values, self.values = models, takes_values, None
         self._program = {'jitted': None, 'shardings': None}  # shared with with_values' copies
 
@@ -183,9 +202,25 @@ class ShardedSampler:
         bound.values = values
         return bound
 
-    def with_sampling(self, sampling: SamplingConfig, dynamic: bool = False) -> ShardedSampler:
-        """with_values(sampling.traced(dynamic)), the same object for the same arguments."""
-        return _with_sampling(self, sampling, bool(dynamic))
+    def with_sampling(
+        self, sampling: SamplingConfig, dynamic: bool = False, eos_id=None
+    ) -> ShardedSampler:
+        """with_values((sampling.traced(dynamic), Stop at max_new_tokens and eos_id)), the same
+        object for the same arguments."""
+        return _with_sampling(self, sampling, bool(dynamic), eos_id)
+
+    def with_max_new(self, max_new: int) -> ShardedSampler:
+        """This sampler (same jit and compiled programs, same sampling and eos) ending rows
+        after max_new <= max_new_tokens tokens; outputs keep their [B, max_new_tokens] shape,
+        PAD_ID past each row's length."""
+        n = check_positive_int('max_new', max_new)
+        if self.values is None or n > self.max_new_tokens:
+            raise ValueError(
+                f'with_max_new({max_new}): needs a sampler with values and max_new <= its '
+                f'max_new_tokens={self.max_new_tokens}'
+            )
+        sampling, stop = self.values
+        return self.with_values((sampling, stop.replace(max_new=np.int32(n))))
 
     @property
     def _jitted(self):
@@ -280,8 +315,9 @@ class ShardedSampler:
 
 
 @functools.lru_cache(maxsize=256)
-def _with_sampling(program: ShardedSampler, sampling: SamplingConfig, dynamic: bool):
-    return program.with_values(sampling.traced(dynamic))
+def _with_sampling(program: ShardedSampler, sampling: SamplingConfig, dynamic: bool, eos_id):
+    stop = stop_values(program.max_new_tokens, eos_id)
+    return program.with_values((sampling.traced(dynamic), stop))
 
 
 def place_replicated(tree, sharding):
@@ -331,7 +367,8 @@ def finish_tokens(buffer_BN, lengths_B, max_new_tokens: int):
 
 
 def first_eos_count(block_BT, count_B, eos_id):
-    """Tokens of each row's block that are emitted: up to count, cut just after the first eos."""
+    """Tokens of each row's block that are emitted: up to count, cut just after the first eos
+    (eos_id: an int or a traced int32, -1 = none; None: no eos, nothing computed)."""
     if eos_id is None:
         return count_B
     idx = jnp.arange(block_BT.shape[1])[None, :]
@@ -366,7 +403,8 @@ def draft_catch_up(dgd, dparams, cache, last_B, prev_B, pending_B, active_B, to_
 def emit_round(proposed_BK, num_acc_B, next_token_B, out_BN, emitted_B, act_B, *, max_new, eos_id):
     """Writes a round's accepted proposals and its replacement/bonus token into each row's output.
 
-    Row b emits proposed[b, :num_acc[b]] then next_token[b], cut at eos and at max_new tokens.
+    Row b emits proposed[b, :num_acc[b]] then next_token[b], cut at eos and at max_new tokens
+    (static ints, or a traced Stop's fields).
     Returns (count [B] tokens emitted, hit_eos [B], emitted [B], out [B, N]); act (0/1 int32)
     masks rows that are already done.
     """

@@ -150,8 +150,9 @@ def make_speculative_fn(
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
 
     Cached on its arguments: the same static settings return the same jitted function, which
-    compiles once per prompt shape. `sampling`'s temperature and top_p are arguments of that
-    function, not part of its key (`SamplingConfig.traced`): settings of the same structure
+    compiles once per prompt shape. eos_id and the token limit (`fn.with_max_new(n)`, n <=
+    max_new_tokens, the output buffer) are arguments of that function (`common.Stop`), and so
+    are `sampling`'s temperature and top_p (`SamplingConfig.traced`): settings of the same structure
     (top_k, greedy or not, top-p filtering or not) share one compiled program, and with
     `dynamic_sampling` every setting at one top_k does (greediness and top-p are then lax.conds:
     free for sampled settings, but greedy rounds then carry the sampled path's unused [B, k, V]
@@ -178,7 +179,6 @@ def make_speculative_fn(
         draft_graphdef,
         k,
         max_new,
-        eos_id,
         mesh,
         rules,
         common.normalize_draft_rules(draft_rules, rules),
@@ -189,12 +189,12 @@ def make_speculative_fn(
         drafter,
         stop_below,
     )
-    return program.with_sampling(sampling, dynamic_sampling)
+    return program.with_sampling(sampling, dynamic_sampling, eos_id)
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
-    target_graphdef, draft_graphdef, k, max_new, eos_id, mesh, rules, draft_rules, acc, vocab, bug,
+    target_graphdef, draft_graphdef, k, max_new, mesh, rules, draft_rules, acc, vocab, bug,
     check_finite, drafter, stop_below,
 ):  # fmt: skip
     def check(width):
@@ -208,7 +208,6 @@ def _cached_fn(
         draft_graphdef,
         k=k,
         max_new=max_new,
-        eos_id=eos_id,
         acc=acc,
         vocab=vocab,
         bug=bug,
@@ -222,15 +221,18 @@ def _cached_fn(
         ('draft', draft_graphdef, draft_rules, 'draft_rules'),
     )
     return common.ShardedSampler(
-        core, mesh, rules, check, models, takes_values=True, name='speculative_sample'
-    )
+        core, mesh, rules, check, models, takes_values=True, name='speculative_sample',
+        max_new_tokens=max_new,
+    )  # fmt: skip
 
 
 def _speculative_core(
-    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, sampling, *, k, max_new, eos_id,
-    acc, vocab, bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, values, *, k, max_new, acc, vocab,
+    bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
 ):  # fmt: skip
-    """The sampler's body; `sampling` a TracedSampling (or a static SamplingConfig: same tokens)."""
+    """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
+    same tokens) and a common.Stop (max_new: the buffer's size at most)."""
+    sampling, stop = values
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     capacity = width + max_new + k + 1
@@ -253,9 +255,8 @@ def _speculative_core(
         **guards.initial_flags(), dfeed=dfeed,
     )  # fmt: skip
     body = functools.partial(
-        _round, tgd, dgd, tparams, dparams, rng, k=k, max_new=max_new, sampling=sampling,
-        eos_id=eos_id, acc=acc, vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter,
-        stop_below=stop_below,
+        _round, tgd, dgd, tparams, dparams, rng, k=k, stop=stop, sampling=sampling, acc=acc,
+        vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter, stop_below=stop_below,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
@@ -266,7 +267,7 @@ def _speculative_core(
 
 
 def _round(
-    tgd, dgd, tparams, dparams, rng, state, *, k, max_new, sampling, eos_id, acc, vocab, bug,
+    tgd, dgd, tparams, dparams, rng, state, *, k, stop, sampling, acc, vocab, bug,
     check_finite=True, drafter, stop_below=None,
 ):  # fmt: skip
     active = ~state.done
@@ -312,8 +313,9 @@ def _round(
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
     count, hit_eos, emitted, out = common.emit_round(
-        x_BK, num_acc, next_token, state.out, state.emitted, act, max_new=max_new, eos_id=eos_id
-    )
+        x_BK, num_acc, next_token, state.out, state.emitted, act, max_new=stop.max_new,
+        eos_id=stop.eos_id,
+    )  # fmt: skip
 
     # Proposals count as examined/accepted only where they sit inside the row's output.
     i = jnp.arange(k)[None, :]
@@ -335,7 +337,7 @@ def _round(
         draft_pending=draft_pending,
         out=jnp.where(active[:, None], out, state.out),
         emitted=emitted,
-        done=state.done | (active & ((emitted >= max_new) | hit_eos)),
+        done=state.done | (active & ((emitted >= stop.max_new) | hit_eos)),
         round=state.round + 1,
         row_rounds=state.row_rounds + act,
         row_drafted=state.row_drafted + m * act,
