@@ -82,15 +82,15 @@ _ESTIMATES = {
         report=5,
     ),
     'tiny': dict(
-        target=15,
-        teacher_cache=50,
+        target=20,
+        teacher_cache=40,
         draft_ce=25,
-        draft_distilled=15,
-        draft_feature=40,
-        spec_ce=150,
-        spec_distilled=30,
-        spec_feature=60,
-        serve=130,
+        draft_distilled=20,
+        draft_feature=60,
+        spec_ce=120,
+        spec_distilled=40,
+        spec_feature=90,
+        serve=110,
         report=5,
     ),
 }
@@ -178,6 +178,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
 
     c.target = ml_collections.ConfigDict()
     c.target.source = 'smollm2-135m'  # python -m specjax.interop import --source=...
+    # True: blocks stacked and run by one lax.scan (import --scan_layers): each program holding
+    # the 30-layer target compiles ~2x faster, but on XLA:CPU a scanned decode step runs ~2x
+    # slower (docs/performance.md, Scanned decoding); even tiny's timed runs lose what the
+    # compiles gain (669 s vs 607 s end to end)
+    c.target.scan_layers = False
     c.target.data = ml_collections.ConfigDict(c.data.to_dict())
 
     c.teacher_cache = ml_collections.ConfigDict()
@@ -211,12 +216,17 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     ev.prompts_per_domain = p['prompts_per_domain']
     ev.prompt_len_min, ev.prompt_len_max = (16, 48) if size == 'full' else (8, 16)
     ev.max_new_tokens = p['new_tokens']
-    ev.batch_size = 8 if size == 'full' else 4
+    # tiny: its 2 prompts in one batch of 2, the shape serve's batch-2 calls have, so serve
+    # reuses spec_eval's greedy programs (the token limit and eos are run-time values)
+    ev.batch_size = 8 if size == 'full' else 2
     ev.ks = p['ks']
     ev.samplings = ((0.0, 0, 1.0), (1.0, 0, 1.0))
     ev.prompt_len_edges = (32,) if size == 'full' else (12,)
     ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
     ev.timing_repeats = 2
+    # tiny: greedy shares the sampled settings' programs (greedy decided at run time, ~10% per
+    # greedy token) - the preset is compile-bound; full keeps greedy's own lean programs
+    ev.dynamic_greedy = size == 'tiny'
     ev.calibration_iters = 4
     ev.calibration_repeats = 2
 
@@ -229,7 +239,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.k = 2 if size == 'full' else 0
     c.serve.repeats = 2
     c.serve.samples = 2
-    c.serve.prompts = 4  # prompts served at every batch size (batch 1: one call each)
+    # prompts served at every batch size (batch 1: one call each)
+    c.serve.prompts = 4 if size == 'full' else 2
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -89,6 +89,9 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     )  # lenient: eps in (0, 1]; typical: Medusa's threshold and alpha (lossy rules only)
     c.eval.timing_repeats = 5  # timed regions per point, round-robin over points (median)
     c.eval.timing_floor_s = 0.2  # each timed region repeats its pass until it lasts this long
+    # True: greedy shares the T > 0 settings' programs (one per k; greedy decided at run time,
+    # ~10% slower greedy rounds); for compile-bound runs
+    c.eval.dynamic_greedy = False
     c.eval.calibration_iters = 16  # cached calls per timed loop (calibrate)
     c.eval.calibration_repeats = 5  # timed repeats; medians of ratios
     if preset == 'random':

@@ -68,6 +68,7 @@ IGNORED_CONFIG_FIELDS = (
 # other value is compared like every field).
 DEFAULT_VALUED_FIELDS = {
     'scan_layers': False,  # model.scan_layers, draft.scan_layers (parameter layout)
+    'dynamic_greedy': False,  # eval.dynamic_greedy (spec_eval: greedy's own programs)
 }
 
 

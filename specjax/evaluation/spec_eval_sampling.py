@@ -154,14 +154,15 @@ def evaluate_sampling(
     batch = int(ev.batch_size)
     # Compiles are most of this mode's time: every setting with temperature > 0 (top-p or not)
     # shares one program per k and one autoregressive program (dynamic_sampling). Greedy keeps
-    # its own lean programs: deciding greediness at run time costs ~10% per greedy token here.
+    # its own lean programs (deciding greediness at run time costs ~10% per greedy token here)
+    # unless ev.dynamic_greedy: then greedy joins them (compile-bound smoke runs).
     common = dict(
         max_new_tokens=int(ev.max_new_tokens),
         sampling=sampling,
         eos_id=eos_id,
         mesh=mesh,
         rules=rules,
-        dynamic_sampling=not sampling.greedy,
+        dynamic_sampling=not sampling.greedy or bool(ev.get('dynamic_greedy', False)),
     )
     run_alls, outputs, records = {}, {}, {}
     ar_fn = make_autoregressive_fn(t_graphdef, **common)

@@ -9,12 +9,20 @@ specjax.evaluation.tables.fmt.
 from __future__ import annotations
 
 from specjax.evaluation.tables import fmt, markdown_table
-from specjax.quickstart.report_data import PAIRS, labels, ref_k, run_at
+from specjax.quickstart.report_data import PAIRS, labels, pairs, ref_k, run_at
 
 COTRAIN_SKIPPED = (
     'Co-training: not run in this preset (it updates the 135M target, which this CPU cannot '
     "train within the quickstart's budget)."
 )
+
+
+def compile_seconds(d: dict) -> dict:
+    """Per timing stage, the seconds its samplers took to compile (spec_eval.json's runs and
+    serve.json's rows, compile_s each)."""
+    out = {s: sum(r['compile_s'] for r in d[s]['runs']) for s in pairs(d)}
+    out['serve'] = sum(r['compile_s'] for r in d['serve']['rows'])
+    return out
 
 
 def section_setup(d: dict) -> list[str]:
@@ -55,6 +63,7 @@ def section_setup(d: dict) -> list[str]:
     secs = d['run']['stage_seconds']
     cpu = d['run'].get('stage_cpu_seconds', {})
     beside = d['run'].get('stage_beside', {})
+    compiles = compile_seconds(d)
     load = ', '.join(fmt(x) for x in d['run'].get('load_average', ()))
     env = d['spec_distilled']['environment']
     return [
@@ -68,13 +77,17 @@ def section_setup(d: dict) -> list[str]:
         f'{fmt(t["baselines"].get("unigram"))} nats (same validation tokens as the target).',
         '',
         markdown_table(
-            ['stage', 'wall seconds', 'process CPU seconds', 'ran beside'],
-            [[k, v, cpu.get(k), ', '.join(beside.get(k, ())) or '-'] for k, v in secs.items()]
+            ['stage', 'wall seconds', 'process CPU seconds', 'compiling samplers', 'ran beside'],
+            [
+                [k, v, cpu.get(k), compiles.get(k), ', '.join(beside.get(k, ())) or '-']
+                for k, v in secs.items()
+            ]
             + [
                 [
                     'sum over stages',
                     sum(secs.values()),
                     sum(cpu.values()) if cpu else None,
+                    sum(compiles.values()),
                     'stages beside each other overlap: the sum exceeds the elapsed time',
                 ]
             ],
@@ -84,7 +97,9 @@ def section_setup(d: dict) -> list[str]:
         'allows (their wall seconds then include sharing the CPU); timing stages always run '
         'alone. Elapsed from start to report: '
         f'{fmt(d["run"].get("total_seconds"))} s. Costs elsewhere in this report are process '
-        'CPU seconds, which sharing the CPU inflates less than wall seconds.',
+        'CPU seconds, which sharing the CPU inflates less than wall seconds. "Compiling '
+        'samplers": wall seconds the timing stages spent compiling their samplers ahead of '
+        'time (per program: compile_s in spec_eval.json and serve.json).',
         '',
         f'Load average at the end of the last stage: {load} on {d["run"].get("cpu_count")} '
         'cores (above the core count the machine was shared and wall times are inflated; CPU '

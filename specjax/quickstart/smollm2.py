@@ -103,7 +103,7 @@ def _with_tokenizer(cfg, root: str):
 def run_import(cfg, wd, root):
     from specjax.interop.workdir import import_workdir
 
-    summary = import_workdir(cfg.source, wd)
+    summary = import_workdir(cfg.source, wd, scan_layers=bool(cfg.get('scan_layers', False)))
     results = {
         'mode': 'import',
         'eval': {},  # the target's loss is measured on the cached rows (teacher_cache)
