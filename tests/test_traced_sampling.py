@@ -128,6 +128,7 @@ def test_token_limit_and_eos_are_run_time_values_of_one_program(pair, method):
         )
         args = (tp, dp, prompts, lengths, 5)
     full = make(MAX_NEW)(*args)
+    programs = make(MAX_NEW)._jitted._cache_size()  # this module's earlier tests share the jit
     short = make(MAX_NEW).with_max_new(3)(*args)
     want = make(3)(*args)  # its own buffer: another program
     np.testing.assert_array_equal(short.tokens[:, :3], want.tokens)
@@ -143,7 +144,7 @@ def test_token_limit_and_eos_are_run_time_values_of_one_program(pair, method):
     np.testing.assert_array_equal(cut.tokens, tokens)
     assert int(cut.lengths[0]) <= 3 < int(full.lengths[0])  # the eos reached the program
     assert make(MAX_NEW)._jitted is make(MAX_NEW, eos)._jitted
-    assert make(MAX_NEW)._jitted._cache_size() == 1  # limit 8 and 3, eos none and set
+    assert make(MAX_NEW)._jitted._cache_size() == programs  # limits 8 and 3, eos none and set
     with pytest.raises(ValueError, match='max_new <= its max_new_tokens=8'):
         make(MAX_NEW).with_max_new(MAX_NEW + 1)
 
