@@ -15,6 +15,7 @@ from sampling_models import GREEDY_PROMPTS, greedy_models, ragged_prompts
 
 from specjax.models import split
 from specjax.sampling import (
+    PAD_ID,
     SamplingConfig,
     common,
     make_autoregressive_fn,
@@ -98,7 +99,7 @@ def test_autoregressive_dynamic_sampling_shares_one_program_and_matches_static(p
 def _truncated(out, n):
     """out's rows cut to their first n tokens (PAD_ID after), as a sampler built for n gives."""
     lengths = np.minimum(np.asarray(out.lengths), n)
-    tokens = np.where(np.arange(out.tokens.shape[1]) < lengths[:, None], out.tokens, common.PAD_ID)
+    tokens = np.where(np.arange(out.tokens.shape[1]) < lengths[:, None], out.tokens, PAD_ID)
     return tokens, lengths
 
 

@@ -34,6 +34,7 @@ from specjax.data import build_tokenizer
 from specjax.evaluation import intervals, measure
 from specjax.evaluation.pairs import draft_vocab_ids, num_params
 from specjax.evaluation.prompts import make_prompts
+from specjax.evaluation.spec_eval_sampling import dynamic_sampling
 from specjax.models import split
 from specjax.parallel import make_mesh
 from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
@@ -115,7 +116,7 @@ def run(config, workdir: str, root: str) -> dict:
     sampling = SamplingConfig(temperature=float(config.temperature))
     # the programs spec_eval compiled for this sampling (same batch, prompt width, tokens and
     # k: shared, the eos and token limit being run-time values)
-    dynamic = not sampling.greedy or bool(ev.get('dynamic_greedy', False))
+    dynamic = dynamic_sampling(sampling, ev)
     common = dict(sampling=sampling, eos_id=None, mesh=mesh, rules=rules, dynamic_sampling=dynamic)
     sampler = _sampler_factory(split_models, vocab, k, common)
     inputs_for = lambda method, tokens: alone_inputs(vocab.get(method), target_vocab, tokens)

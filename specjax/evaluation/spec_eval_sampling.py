@@ -140,6 +140,12 @@ def _spec_table(prompts: Prompts, outputs, alpha_cols, ev) -> dict:
     return pair_eval.row_table(outputs, columns)
 
 
+def dynamic_sampling(sampling, ev) -> bool:
+    """Whether `sampling` runs as the shared T > 0 program (dynamic_sampling): every sampled
+    setting, and greedy too under ev.dynamic_greedy (serve follows spec_eval to share them)."""
+    return not sampling.greedy or bool(ev.get('dynamic_greedy', False))
+
+
 def evaluate_sampling(
     models, prompts, sampling, ks, cal, ev, *, seed, eos_id, mesh, rules, draft_rules
 ):
@@ -162,7 +168,7 @@ def evaluate_sampling(
         eos_id=eos_id,
         mesh=mesh,
         rules=rules,
-        dynamic_sampling=not sampling.greedy or bool(ev.get('dynamic_greedy', False)),
+        dynamic_sampling=dynamic_sampling(sampling, ev),
     )
     run_alls, outputs, records = {}, {}, {}
     ar_fn = make_autoregressive_fn(t_graphdef, **common)

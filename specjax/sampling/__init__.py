@@ -2,7 +2,8 @@
 
 from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_acceptance
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
-from specjax.sampling.common import PAD_ID, SampleOutput, check_same_tokenizer
+from specjax.sampling.common import SampleOutput, check_same_tokenizer
+from specjax.sampling.emit import PAD_ID
 from specjax.sampling.guards import NonFiniteLogitsError
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
 from specjax.sampling.transforms import (

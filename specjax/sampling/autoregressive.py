@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import apply_cached, init_cache, split
-from specjax.sampling import common, guards
+from specjax.sampling import common, emit, guards
 from specjax.sampling.transforms import (
     SamplingConfig,
     branch,
@@ -101,7 +101,7 @@ def _autoregressive_core(
     graphdef, params, prompts, prompt_lengths, rng, values, *, max_new, layout, check_finite=True,
 ):  # fmt: skip
     """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
-    same tokens) and a common.Stop (max_new: the buffer's size at most)."""
+    same tokens) and an emit.Stop (max_new: the buffer's size at most)."""
     sampling, stop = values
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
@@ -131,7 +131,7 @@ def _autoregressive_core(
         token = branch(is_greedy(sampling), argmax, sample, logits[:, 0])
         emitted = state['emitted'] + act
         finished = (emitted >= stop.max_new) | (token == stop.eos_id)
-        out = common.write_rows(state['out'], token[:, None], state['emitted'])
+        out = emit.write_rows(state['out'], token[:, None], state['emitted'])
         return dict(
             cache=cache,
             last=jnp.where(active, token, state['last']),
@@ -145,7 +145,7 @@ def _autoregressive_core(
     state = jax.lax.while_loop(lambda s: ~jnp.all(s['done']), body, state)
     lengths = state['emitted']
     return common.SampleOutput(
-        tokens=common.finish_tokens(state['out'], lengths, max_new),
+        tokens=emit.finish_tokens(state['out'], lengths, max_new),
         lengths=lengths,
         stats=dict(
             emitted=lengths.sum(),

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models import KVCache, init_cache, split
-from specjax.sampling import common, drafters, guards, proposals
+from specjax.sampling import common, drafters, emit, guards, proposals
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -151,7 +151,7 @@ def make_speculative_fn(
 
     Cached on its arguments: the same static settings return the same jitted function, which
     compiles once per prompt shape. eos_id and the token limit (`fn.with_max_new(n)`, n <=
-    max_new_tokens, the output buffer) are arguments of that function (`common.Stop`), and so
+    max_new_tokens, the output buffer) are arguments of that function (`emit.Stop`), and so
     are `sampling`'s temperature and top_p (`SamplingConfig.traced`): settings of the same structure
     (top_k, greedy or not, top-p filtering or not) share one compiled program, and with
     `dynamic_sampling` every setting at one top_k does (greediness and top-p are then lax.conds:
@@ -231,7 +231,7 @@ def _speculative_core(
     bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
 ):  # fmt: skip
     """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
-    same tokens) and a common.Stop (max_new: the buffer's size at most)."""
+    same tokens) and an emit.Stop (max_new: the buffer's size at most)."""
     sampling, stop = values
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
@@ -260,7 +260,7 @@ def _speculative_core(
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
-        tokens=common.finish_tokens(state.out, state.emitted, max_new),
+        tokens=emit.finish_tokens(state.out, state.emitted, max_new),
         lengths=state.emitted,
         stats=_stats(state, k),
     )
@@ -312,7 +312,7 @@ def _round(
     target_bad = guards.any_nonfinite(logits, active, check_finite)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
-    count, hit_eos, emitted, out = common.emit_round(
+    count, hit_eos, emitted, out = emit.emit_round(
         x_BK, num_acc, next_token, state.out, state.emitted, act, max_new=stop.max_new,
         eos_id=stop.eos_id,
     )  # fmt: skip

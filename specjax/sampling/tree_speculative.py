@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import init_cache, split
-from specjax.sampling import common, drafters, guards
+from specjax.sampling import common, drafters, emit, guards
 from specjax.sampling import dynamic_tree as dyn
 from specjax.sampling import siblings as sib
 from specjax.sampling import tree as tr
@@ -200,7 +200,7 @@ def _tree_core(
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return common.SampleOutput(
-        tokens=common.finish_tokens(state.out, state.emitted, kw['max_new']),
+        tokens=emit.finish_tokens(state.out, state.emitted, kw['max_new']),
         lengths=state.emitted,
         stats=_stats(state, n, depth),
     )
@@ -287,7 +287,7 @@ def _round(
     # Emit the path's tokens and the replacement/bonus, cut at eos and at max_new_tokens.
     tok = jnp.concatenate([jnp.zeros_like(state.last[:, None]), tree.tokens_BN], axis=1)
     path_tok = jnp.take_along_axis(tok, path, axis=1)
-    count, hit_eos, emitted, out = common.emit_round(
+    count, hit_eos, emitted, out = emit.emit_round(
         path_tok, num_acc, next_token, state.out, state.emitted, act, max_new=max_new, eos_id=eos_id
     )
     i = jnp.arange(depth)[None, :]
