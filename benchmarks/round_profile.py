@@ -1,33 +1,45 @@
 """Where a speculative round's time goes (not a test): the chain sampler's loop body in pieces.
 
-  python -m benchmarks.round_profile --workdir=workdirs/quickstart [--batch_sizes=1,8]
-      [--temperatures=1.0] [--k=4] [--repeats=7] [--iters=16] [--out=PATH]
+  python -m benchmarks.round_profile --workdir=workdirs/quickstart [--draft=draft_distilled]
+      [--batch_sizes=1,8] [--temperatures=1.0] [--k=4] [--prompt_len=32] [--max_new=48]
+      [--repeats=7] [--iters=16] [--out=PATH]
 
-On the trained quickstart pair (docs/quickstart.md; with --workdir='' the random-init pair
---preset=default|tiny, whose independent draft is profiled), every piece
-of `speculative_sample`'s round runs `iters` times inside one jitted `lax.fori_loop` at the
-sampler's cache capacity and a fixed cache position (lengths reset after each call), the way
-`calibrate` measures c and v(k):
+On a trained pair (<workdir>/target and <workdir>/<draft>, docs/quickstart.md; a reduced-
+vocabulary draft reads its ids from <workdir>/<draft>/draft_vocab.json, as benchmarks/trees.py
+does) or, with --workdir='', the random-init pair --preset=default|tiny (its independent draft),
+every piece of `speculative_sample`'s round runs `iters` times inside one jitted `lax.fori_loop`
+at the sampler's cache capacity (prompt_len + max_new + k + 1), cache lengths reset after each
+call, the way `calibrate` measures c and v(k). Token drafts only (a feature draft's calls are not
+plain cached calls). V: the target's vocabulary, N: the draft's proposable tokens (N = V unless
+the draft has a reduced vocabulary).
 
-  target step, draft step  1-token cached calls (c = draft / target)
-  verify call              the (k + 1)-token target call (v(k) = it / target step)
-  catch-up                 `draft_catch_up` (a lax.cond over 1- or 2-token calls; 1 taken)
-  draft sample             transform_logits + inverse_cdf of one [B, V] draft row (argmax at T = 0)
-  verify rule              transform_logits of [B, k + 1, V] + the acceptance rule (greedy:
-                           verify_greedy on the logits)
-  propose                  the whole draft phase (catch-up, k - 1 draft steps, k samples)
-  round                    the whole loop body (`speculative._round`) on a live state
+  target step, draft step  1-token cached calls at prompt_len + max_new // 2 (c = draft / target)
+  verify call              the (k + 1)-token target call there (v(k) = it / target step)
+  catch-up                 `drafter.catch_up` (token draft: a lax.cond over 1- or 2-token calls;
+                           1 taken)
+  draft sample             one draw as `proposals.propose` makes it: a draft logits row
+                           restricted to [B, N] (`DraftVocab.restrict`), argmax at T = 0, else
+                           transform_logits + inverse_cdf and q expanded to [B, V] (`.expand`)
+  verify rule              transform_logits of [B, k + 1, V] + the acceptance rule on q
+                           [B, k, V] (greedy: verify_greedy on the logits)
+  propose                  `proposals.propose`: the whole draft phase (catch-up, k - 1 draft
+                           steps, k draws)
+  round                    the whole loop body (`speculative._round`)
 
-and the sampler itself: (wall - prefill) / rounds, its measured round. The prediction behind
-"predicted speedup" is k * draft step + verify call; the table shows how far each level is
-above it. Times are CPU seconds of this process (time.process_time; wall time swings several-fold
-on a shared machine, CPU time barely moves), minimum over `repeats` interleaved runs of each;
-only ratios within one run count.
+catch-up, propose and round run on the sampler's own state before its first round (its core,
+`_speculative_core`, traced up to its loop: caches filled with a random prompt_len prompt, so at
+position prompt_len - 1; attention masks the whole capacity, so the position does not change a
+call's cost). And the sampler itself: (wall - prefill) / rounds, its measured round. The
+prediction behind "predicted speedup" is k * draft step + verify call; the table shows how far
+each level is above it. Times are CPU seconds of this process (time.process_time; wall time
+swings several-fold on a shared machine, CPU time barely moves), minimum over `repeats`
+interleaved runs of each; only ratios within one run count.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 from benchmarks import cli
@@ -41,95 +53,150 @@ def _looped(fn, iters):
     return jax.jit(lambda carry: jax.lax.fori_loop(0, iters, lambda _, c: fn(c), carry))
 
 
-def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0):
+def _sampler(tgd, dgd, *, k, max_new, sampling, draft_vocab_ids):
+    """The chain sampler profiled (make_speculative_fn caches it: pieces and profile share it)."""
+    from specjax.sampling import make_speculative_fn
+
+    return make_speculative_fn(tgd, dgd, num_draft_tokens=k, max_new_tokens=max_new,
+                               sampling=sampling, draft_vocab_ids=draft_vocab_ids)  # fmt: skip
+
+
+def _initial_state(spec, tparams, dparams, prompts, lengths, rng):
+    """The sampler's SpeculativeState before its first round, built by its own core (the
+    `_speculative_core` partial of `spec`, with its sampling values and Stop) traced up to its
+    lax.while_loop, which hands the initial state back instead of looping."""
+    from unittest import mock
+
+    import jax
+
+    from specjax.sampling.speculative import SpeculativeState
+
+    real = jax.lax.while_loop
+
+    def initial(tparams, dparams, prompts, lengths, rng):
+        box = []
+
+        def grab(cond, body, init):
+            if not isinstance(init, SpeculativeState):
+                return real(cond, body, init)
+            box.append(init)
+            return init
+
+        with mock.patch.object(jax.lax, 'while_loop', grab):
+            spec.core(tparams, dparams, prompts, lengths, rng, spec.values)
+        if len(box) != 1:
+            raise RuntimeError('round_profile: the sampler core ran no while_loop over one '
+                               'SpeculativeState; update _initial_state')  # fmt: skip
+        return box[0]
+
+    return jax.jit(initial)(tparams, dparams, prompts, lengths, rng)
+
+
+def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
+           draft_vocab_ids=None):  # fmt: skip
     """name -> zero-argument call running that piece `iters` times (see module docstring)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from specjax.models import apply_cached, init_cache, split
-    from specjax.sampling import common, speculative
+    from specjax.sampling import common, drafters, proposals, speculative
     from specjax.sampling.acceptance import as_acceptance, verify_rule
     from specjax.sampling.draft_vocab import check_draft_vocab
-    from specjax.sampling.transforms import inverse_cdf, transform_logits
+    from specjax.sampling.transforms import inverse_cdf, is_greedy, transform_logits
     from specjax.sampling.verify import verify_greedy
 
     (tgd, tp), (dgd, dp) = split(target), split(draft)
-    vocab_size = target.config.vocab_size
+    drafter = drafters.drafter_for(tgd, dgd, 'round_profile')
+    if not isinstance(drafter, drafters.TokenDrafter):
+        raise ValueError('round_profile times token drafts only, got a feature draft')
+    t_vocab, d_vocab = target.config.vocab_size, common.config_of(dgd).vocab_size
+    vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
+    acc = as_acceptance('probabilistic')  # the sampler's (make_speculative_fn's default)
+    spec = _sampler(tgd, dgd, k=k, max_new=max_new, sampling=sampling,
+                    draft_vocab_ids=draft_vocab_ids)  # fmt: skip
+    values = spec.values  # (TracedSampling, emit.Stop): what the sampler's round reads
+    greedy = is_greedy(values[0])
     capacity = width + max_new + k + 1
     context = width + max_new // 2  # a mid-run cache position
     rng = np.random.default_rng(seed)
-    toks = lambda n: jnp.asarray(rng.integers(3, vocab_size, (batch, n)), jnp.int32)
+    toks = lambda n, v=t_vocab: jnp.asarray(rng.integers(3, v, (batch, n)), jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
     cache = lambda model: init_cache(model.config, batch, capacity, lengths=lengths)
     ones = jnp.ones((batch,), jnp.int32)
-    acc = as_acceptance('probabilistic')
-    vocab = check_draft_vocab(None, vocab_size, vocab_size)
     key = jax.random.key(seed)
+    state0 = _initial_state(spec, tp, dp, toks(width), jnp.full((batch,), width, jnp.int32), key)
+    settings = dict(k=k, sampling=values[0], acc=acc, vocab=vocab, bug=None)
+    best = lambda logits: vocab.token(jnp.argmax(vocab.restrict(logits), -1).astype(jnp.int32))
 
     def call(gd, params):
         def body(carry):
             tokens, c = carry
             logits, new = apply_cached(gd, params, tokens, ones, c)
-            nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+            nxt = jnp.argmax(logits, -1).astype(jnp.int32)  # in the model's own vocabulary
             return nxt, new.replace(lengths=c.lengths)
 
         return body
 
-    def catch_up(carry):
-        last, c = carry
-        pending = ones
-        logits, new = common.draft_catch_up(dgd, dp, c, last, last, pending, ones > 0)
-        return jnp.argmax(logits, -1).astype(jnp.int32), new.replace(lengths=c.lengths)
+    def rolled_back(state, new_dcache, last):
+        return state.replace(dcache=new_dcache.replace(lengths=state.dcache.lengths), last=last)
 
-    def draft_sample(carry):  # as speculative._propose draws: argmax when greedy
-        logits_BV, u = carry
-        if sampling.greedy:
-            x = jnp.argmax(logits_BV, -1)
+    def catch_up(state):
+        logits, carry = drafter.catch_up(dgd, dp, state, ~state.done, vocab)
+        return rolled_back(state, drafter.split_carry(carry)[0], best(logits))
+
+    def draft_sample(carry):  # as proposals.propose draws (argmax_draft aside)
+        logits_BN, u, q_BV = carry
+        restricted = vocab.restrict(logits_BN)
+        if greedy:
+            x = jnp.argmax(restricted, -1)
         else:
-            x = inverse_cdf(transform_logits(logits_BV, sampling), u)
-        return logits_BV.at[:, 0].add(x.astype(logits_BV.dtype) * 1e-9), u
+            q = transform_logits(restricted, values[0])
+            x, q_BV = inverse_cdf(q, u), vocab.expand(q)
+        x = vocab.token(x.astype(jnp.int32))
+        return logits_BN.at[:, 0].add(x.astype(logits_BN.dtype) * 1e-9), u, q_BV
 
     def verify_piece(carry):  # as speculative._round verifies
         logits_BKV, q_BKV, x_BK = carry
-        if sampling.greedy:
+        if greedy:
             n, nxt = verify_greedy(logits_BKV, x_BK)
         else:
-            p = transform_logits(logits_BKV, sampling)
+            p = transform_logits(logits_BKV, values[0])
             u = jnp.full((batch, k), 0.5)
             n, nxt = verify_rule(acc, u, u[:, 0], p, q_BKV, x_BK)
         return logits_BKV.at[:, 0, 0].add((n + nxt).astype(logits_BKV.dtype) * 1e-9), q_BKV, x_BK
 
-    state0 = _state(tgd, dgd, tp, dp, toks(width), batch, context, capacity, k, max_new)
-    kw = dict(k=k, max_new=max_new, sampling=sampling, eos_id=None, acc=acc, vocab=vocab, bug=None)
-
-    def propose(carry):
-        state, x = carry
-        act = ones > 0
+    def propose_call(state):
         u = jnp.full((batch, k), 0.5)
-        x_BK, q, dc, _ = speculative._propose(dgd, dp, state.replace(last=x), u, act, **{
-            n: kw[n] for n in ('k', 'sampling', 'acc', 'vocab', 'bug')})  # fmt: skip
-        return state.replace(dcache=dc.replace(lengths=state.dcache.lengths)), x_BK[:, -1]
+        return proposals.propose(drafter, dgd, dp, state, u, ~state.done, **settings)
+
+    def propose(carry):  # q in the carry, as verification keeps it alive in the sampler
+        state, _ = carry
+        x_BK, q, _, _, dcarry, _ = propose_call(state)
+        return rolled_back(state, drafter.split_carry(dcarry)[0], x_BK[:, -1]), q
 
     def round_(state):
-        new = speculative._round(tgd, dgd, tp, dp, key, state, **kw)
+        new = speculative._round(tgd, dgd, tp, dp, key, state, stop=values[1], drafter=drafter,
+                                 **settings)  # fmt: skip
         return new.replace(
             tcache=new.tcache.replace(lengths=state.tcache.lengths),
             dcache=new.dcache.replace(lengths=state.dcache.lengths),
             emitted=state.emitted, done=state.done,
         )  # fmt: skip
 
-    logits_BV = jnp.asarray(rng.normal(size=(batch, vocab_size)) * 3, jnp.float32)
-    logits_BKV = jnp.asarray(rng.normal(size=(batch, k + 1, vocab_size)) * 3, jnp.float32)
-    q_BKV = jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, k, vocab_size)) * 3), -1)
+    q0 = jax.eval_shape(propose_call, state0)[1]
+    logits_BN = jnp.asarray(rng.normal(size=(batch, d_vocab)) * 3, jnp.float32)
+    u_B = jnp.full((batch,), 0.37)
+    logits_BKV = jnp.asarray(rng.normal(size=(batch, k + 1, t_vocab)) * 3, jnp.float32)
+    q_BKV = jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, k, t_vocab)) * 3), -1)
     specs = {
         'target step': (call(tgd, tp), (toks(1), cache(target))),
-        'draft step': (call(dgd, dp), (toks(1), cache(draft))),
+        'draft step': (call(dgd, dp), (toks(1, d_vocab), cache(draft))),
         'verify call': (call(tgd, tp), (toks(k + 1), cache(target))),
-        'catch-up': (catch_up, (toks(1)[:, 0], cache(draft))),
-        'draft sample': (draft_sample, (logits_BV, jnp.full((batch,), 0.37))),
+        'catch-up': (catch_up, state0),
+        'draft sample': (draft_sample, (logits_BN, u_B, jnp.zeros((batch, t_vocab)))),
         'verify rule': (verify_piece, (logits_BKV, q_BKV, toks(k))),
-        'propose': (propose, (state0, toks(1)[:, 0])),
+        'propose': (propose, (state0, jnp.zeros(q0.shape, q0.dtype))),
         'round': (round_, state0),
     }
     out = {}
@@ -138,48 +205,25 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0):
     return out
 
 
-def _state(tgd, dgd, tp, dp, prompt, batch, context, capacity, k, max_new):
-    """A live SpeculativeState with both caches filled to `context` (prompt tiled)."""
-    import jax.numpy as jnp
-
-    from specjax.models import apply_cached, init_cache
-    from specjax.sampling import common
-    from specjax.sampling.speculative import SpeculativeState
-
-    filled = jnp.tile(prompt, (1, -(-context // prompt.shape[1])))[:, :context]
-    lengths = jnp.full((batch,), context, jnp.int32)
-    tcache = init_cache(common.config_of(tgd), batch, capacity)
-    dcache = init_cache(common.config_of(dgd), batch, capacity)
-    _, tcache = apply_cached(tgd, tp, filled, lengths, tcache)
-    _, dcache = apply_cached(dgd, dp, filled, lengths, dcache)
-    zeros = jnp.zeros((batch,), jnp.int32)
-    return SpeculativeState(
-        tcache=tcache, dcache=dcache, last=filled[:, -1], prev=zeros, draft_pending=zeros + 1,
-        out=jnp.zeros((batch, max_new + k + 1), jnp.int32), emitted=zeros,
-        done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
-        row_examined_per_position=jnp.zeros((batch, k), jnp.int32),
-        row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
-    )  # fmt: skip
-
-
-def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats):
+def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats,
+            draft_vocab_ids=None):  # fmt: skip
     import jax
     import numpy as np
 
     from specjax.models import split
-    from specjax.sampling import make_autoregressive_fn, make_speculative_fn
+    from specjax.sampling import make_autoregressive_fn
     from specjax.sampling import stats as st
     from specjax.sampling.calibrate import interleaved_times, timed_call
 
     calls = pieces(target, draft, batch=batch, k=k, width=width, max_new=max_new,
-                   sampling=sampling, iters=iters)  # fmt: skip
+                   sampling=sampling, iters=iters, draft_vocab_ids=draft_vocab_ids)  # fmt: skip
     (tgd, tp), (dgd, dp) = split(target), split(draft)
     rng = np.random.default_rng(1)
     prompts = rng.integers(3, target.config.vocab_size, (batch, width)).astype(np.int32)
     lengths = np.full((batch,), width, np.int32)
     key = jax.random.key(0)
-    spec = make_speculative_fn(tgd, dgd, num_draft_tokens=k, max_new_tokens=max_new,
-                               sampling=sampling)  # fmt: skip
+    spec = _sampler(tgd, dgd, k=k, max_new=max_new, sampling=sampling,
+                    draft_vocab_ids=draft_vocab_ids)  # fmt: skip
     ar = make_autoregressive_fn(tgd, max_new_tokens=max_new, sampling=sampling)
     capacity = width + max_new + k + 1
     calls['sampler'] = lambda: spec(tp, dp, prompts, lengths, key)
@@ -207,6 +251,7 @@ def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats
     predicted_speedup = st.predicted_speedup(tau_batch, k, c, v)
     return dict(
         batch_size=batch, k=k, temperature=sampling.temperature, rounds=rounds,
+        draft_vocab_size=None if draft_vocab_ids is None else len(draft_vocab_ids),
         tau_per_batch=tau_batch, c=c, v=v, ms={n: 1e3 * t for n, t in per.items()},
         predicted_round_ms=1e3 * predicted, measured_speedup=measured_speedup,
         predicted_speedup=predicted_speedup,
@@ -215,20 +260,28 @@ def profile(target, draft, *, batch, k, width, max_new, sampling, iters, repeats
 
 
 def run(args) -> dict:
+    from specjax.evaluation.pairs import draft_vocab_ids
     from specjax.sampling import SamplingConfig
 
     started = time.perf_counter()
+    vocab_ids = None
     if args.workdir:
         target, draft = cli.load_pair(args.workdir, args.draft)
+        vocab_ids = draft_vocab_ids(os.path.join(args.workdir, args.draft))  # reduced drafts
     else:
         target, drafts = cli.build_models(args.preset)
         draft = drafts['independent']
-    result = dict(workdir=args.workdir, repeats=args.repeats, iters=args.iters, points=[])
+    result = dict(
+        workdir=args.workdir, draft=args.draft if args.workdir else 'independent',
+        draft_vocab_size=None if vocab_ids is None else len(vocab_ids), repeats=args.repeats,
+        iters=args.iters, prompt_len=args.prompt_len, max_new=args.max_new, points=[],
+    )  # fmt: skip
     for b in args.batch_sizes:
         for t in args.temperatures:
             point = profile(
                 target, draft, batch=b, k=args.k, width=args.prompt_len, max_new=args.max_new,
                 sampling=SamplingConfig(t), iters=args.iters, repeats=args.repeats,
+                draft_vocab_ids=vocab_ids,
             )  # fmt: skip
             result['points'].append(point)
             print(table([point]), flush=True)
@@ -245,13 +298,14 @@ ROWS = ('target step', 'draft step', 'verify call', 'catch-up', 'draft sample', 
 def table(points) -> str:
     from specjax.evaluation.tables import markdown_table
 
+    vocab = lambda p: f', draft vocab {n}' if (n := p.get('draft_vocab_size')) else ''
     lines = []
     for p in points:
         pred = p['predicted_round_ms']
         rows = [[n, p['ms'][n], p['ms'][n] / pred] for n in ROWS]
         rows.append(['predicted k·draft step + verify call', pred, 1.0])
         lines.append(
-            f'B={p["batch_size"]}, T={p["temperature"]}, k={p["k"]}: tau/batch '
+            f'B={p["batch_size"]}, T={p["temperature"]}, k={p["k"]}{vocab(p)}: tau/batch '
             f'{p["tau_per_batch"]:.2f}, c {p["c"]:.3f}, v {p["v"]:.2f}, measured speedup '
             f'{p["measured_speedup"]:.2f}, predicted {p["predicted_speedup"]:.2f}, ratio '
             f'{p["measured_over_predicted"]:.2f}\n\n'
