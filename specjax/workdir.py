@@ -220,11 +220,13 @@ def relevant_config(config) -> dict[str, Any]:
     return {
         k: v
         for k, v in _flatten(to_json(config)).items()
-        if not _ignored(k) and not _at_default(k, v)
+        if not _ignored(k) and not at_default(k, v)
     }
 
 
-def _at_default(field: str, value) -> bool:
+def at_default(field: str, value) -> bool:
+    """Whether a dotted field is a DEFAULT_VALUED_FIELDS field at its default (then it counts
+    as absent: a workdir written before the field existed matches)."""
     name = field.rpartition('.')[2]
     return name in DEFAULT_VALUED_FIELDS and value == DEFAULT_VALUED_FIELDS[name]
 

@@ -98,6 +98,25 @@ def test_quickstart_refusal_names_only_the_fields_the_user_changed(tmp_path):
     assert len(text.splitlines()) == 1
 
 
+def test_quickstart_accepts_a_workdir_older_than_a_default_valued_field(tmp_path):
+    """A stage recorded before a DEFAULT_VALUED_FIELDS field existed matches while the field is
+    at its default, and is refused naming it once set otherwise."""
+    workdir = tmp_path / 'w'
+    config = _parse(f'--config={QUICKSTART}:size=tiny')
+    _record_every_stage(config, workdir)
+    record_file = workdir / 'spec_ce' / pipeline.STAGE_FILE
+    record = json.loads(record_file.read_text())
+    del record['config']['eval']['dynamic_greedy']  # as written before the field was added
+    record_file.write_text(json.dumps(record))
+    pipeline.check_workdir(config, str(workdir), pipeline.selected(config))
+    config = _parse(
+        f'--config={QUICKSTART}:size=tiny', '--config.spec_eval.eval.dynamic_greedy=True'
+    )
+    named = r'spec_eval.eval.dynamic_greedy: \(absent\) in the workdir, True now'
+    with pytest.raises(pipeline.StageError, match=named):
+        pipeline.check_workdir(config, str(workdir), pipeline.selected(config))
+
+
 @pytest.mark.parametrize('arg', ['size=tiny', 'preset=smollm2,size=tiny'])
 def test_quickstart_seed_sets_every_stage_seed(arg):
     config = _parse(f'--config={QUICKSTART}:{arg}', '--config.seed=11')

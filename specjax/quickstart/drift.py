@@ -7,7 +7,8 @@ from one: configs/quickstart.py computes some fields from others (ml_collections
 `target.train.checkpoint_every = target steps - draft steps`) and shares others between stages
 (`cotrain.train.steps` is `target.train.steps`; every stage's seed is the top-level `seed`).
 A shared field is named once, by its shortest spelling; computed fields are only counted, unless
-nothing else differs.
+nothing else differs. A field newer than the workdir counts as unchanged while at its default
+(specjax.workdir.DEFAULT_VALUED_FIELDS).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import FieldReference
 
-from specjax.config_diff import differences
+from specjax.config_diff import ABSENT, differences
+from specjax.workdir import at_default
 
 
 def source_path(config, stage, path: str) -> str:
@@ -69,6 +71,8 @@ def changed_fields(config, recorded) -> tuple[list[dict], list[dict]]:
     groups: dict[object, dict] = {}
     for stage, saved, current in recorded:
         for path, old, new in differences(saved, current):
+            if ABSENT in (old, new) and at_default(path, new if old is ABSENT else old):
+                continue  # a field newer than the workdir, at its default
             field = source_path(config, stage, path)
             obj = _stored(config, field)
             key = id(obj) if isinstance(obj, FieldReference) else field
