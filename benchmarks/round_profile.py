@@ -26,8 +26,8 @@ the draft has a reduced vocabulary).
                            steps, k draws)
   round                    the whole loop body (`speculative._round`)
 
-catch-up, propose and round run on the sampler's own state before its first round (its core,
-`_speculative_core`, traced up to its loop: caches filled with a random prompt_len prompt, so at
+catch-up, propose and round run on the sampler's own state before its first round
+(`speculative.initial_state`: caches filled with a random prompt_len prompt, so at
 position prompt_len - 1; attention masks the whole capacity, so the position does not change a
 call's cost). And the sampler itself: (wall - prefill) / rounds, its measured round. The
 prediction behind "predicted speedup" is k * draft step + verify call; the table shows how far
@@ -61,35 +61,16 @@ def _sampler(tgd, dgd, *, k, max_new, sampling, draft_vocab_ids):
                                sampling=sampling, draft_vocab_ids=draft_vocab_ids)  # fmt: skip
 
 
-def _initial_state(spec, tparams, dparams, prompts, lengths, rng):
-    """The sampler's SpeculativeState before its first round, built by its own core (the
-    `_speculative_core` partial of `spec`, with its sampling values and Stop) traced up to its
-    lax.while_loop, which hands the initial state back instead of looping."""
-    from unittest import mock
-
+def _initial_state(spec, tgd, dgd, tparams, dparams, prompts, lengths):
+    """The sampler's SpeculativeState before its first round (`speculative.initial_state` with
+    the settings of `spec`'s core)."""
     import jax
 
-    from specjax.sampling.speculative import SpeculativeState
+    from specjax.sampling import speculative
 
-    real = jax.lax.while_loop
-
-    def initial(tparams, dparams, prompts, lengths, rng):
-        box = []
-
-        def grab(cond, body, init):
-            if not isinstance(init, SpeculativeState):
-                return real(cond, body, init)
-            box.append(init)
-            return init
-
-        with mock.patch.object(jax.lax, 'while_loop', grab):
-            spec.core(tparams, dparams, prompts, lengths, rng, spec.values)
-        if len(box) != 1:
-            raise RuntimeError('round_profile: the sampler core ran no while_loop over one '
-                               'SpeculativeState; update _initial_state')  # fmt: skip
-        return box[0]
-
-    return jax.jit(initial)(tparams, dparams, prompts, lengths, rng)
+    kw = {n: spec.core.keywords[n] for n in ('k', 'max_new', 'vocab', 'layout', 'drafter')}
+    build = lambda tp, dp, p, n: speculative.initial_state(tgd, dgd, tp, dp, p, n, **kw)
+    return jax.jit(build)(tparams, dparams, prompts, lengths)
 
 
 def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
@@ -125,7 +106,8 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
     cache = lambda model: init_cache(model.config, batch, capacity, lengths=lengths)
     ones = jnp.ones((batch,), jnp.int32)
     key = jax.random.key(seed)
-    state0 = _initial_state(spec, tp, dp, toks(width), jnp.full((batch,), width, jnp.int32), key)
+    width_B = jnp.full((batch,), width, jnp.int32)
+    state0 = _initial_state(spec, tgd, dgd, tp, dp, toks(width), width_B)
     settings = dict(k=k, sampling=values[0], acc=acc, vocab=vocab, bug=None)
     best = lambda logits: vocab.token(jnp.argmax(vocab.restrict(logits), -1).astype(jnp.int32))
 

@@ -233,6 +233,28 @@ def _speculative_core(
     """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
     same tokens) and an emit.Stop (max_new: the buffer's size at most)."""
     sampling, stop = values
+    state = initial_state(
+        tgd, dgd, tparams, dparams, prompts, prompt_lengths, k=k, max_new=max_new, vocab=vocab,
+        layout=layout, drafter=drafter,
+    )  # fmt: skip
+    body = functools.partial(
+        _round, tgd, dgd, tparams, dparams, rng, k=k, stop=stop, sampling=sampling, acc=acc,
+        vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter, stop_below=stop_below,
+    )  # fmt: skip
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return common.SampleOutput(
+        tokens=emit.finish_tokens(state.out, state.emitted, max_new),
+        lengths=state.emitted,
+        stats=_stats(state, k),
+    )
+
+
+def initial_state(
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, *, k, max_new, vocab, layout,
+    drafter=drafters.TOKEN_DRAFTER,
+):  # fmt: skip
+    """The SpeculativeState before the first round: both caches prefilled with the prompts up to
+    their last token (which is `last`, fed by round one), nothing emitted; traced, jit it."""
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     capacity = width + max_new + k + 1
@@ -245,7 +267,7 @@ def _speculative_core(
     _, tcache, features = drafter.target_call(tgd, tparams, prompts, prompt_lengths - 1, tcache)
     dcache, dfeed = drafter.init(dgd, dparams, dcache, prompts, prompt_lengths, vocab, features, k)
     zeros = jnp.zeros((batch,), jnp.int32)
-    state = SpeculativeState(
+    return SpeculativeState(
         tcache=tcache, dcache=dcache, last=prompts[rows, prompt_lengths - 1], prev=zeros,
         draft_pending=zeros + 1, out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
@@ -254,16 +276,6 @@ def _speculative_core(
         row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
         **guards.initial_flags(), dfeed=dfeed,
     )  # fmt: skip
-    body = functools.partial(
-        _round, tgd, dgd, tparams, dparams, rng, k=k, stop=stop, sampling=sampling, acc=acc,
-        vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter, stop_below=stop_below,
-    )  # fmt: skip
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return common.SampleOutput(
-        tokens=emit.finish_tokens(state.out, state.emitted, max_new),
-        lengths=state.emitted,
-        stats=_stats(state, k),
-    )
 
 
 def _round(
