@@ -47,10 +47,13 @@ from specjax import jsonio
 
 
 def _looped(fn, iters):
-    """jit(carry -> carry) running fn `iters` times in a fori_loop."""
+    """jit((params, carry) -> carry) running fn(params, carry) `iters` times in a fori_loop;
+    the parameters are arguments, as in the sampler and `calibrate` (closed over, XLA would fold
+    them as constants: e.g. transpose a tied embedding once at compile time)."""
     import jax
 
-    return jax.jit(lambda carry: jax.lax.fori_loop(0, iters, lambda _, c: fn(c), carry))
+    loop = lambda params, carry: jax.lax.fori_loop(0, iters, lambda _, c: fn(params, c), carry)
+    return jax.jit(loop)
 
 
 def _sampler(tgd, dgd, *, k, max_new, sampling, draft_vocab_ids):
@@ -111,10 +114,10 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
     settings = dict(k=k, sampling=values[0], acc=acc, vocab=vocab, bug=None)
     best = lambda logits: vocab.token(jnp.argmax(vocab.restrict(logits), -1).astype(jnp.int32))
 
-    def call(gd, params):
-        def body(carry):
+    def call(gd, which):  # which: 0 the target's params, 1 the draft's
+        def body(params, carry):
             tokens, c = carry
-            logits, new = apply_cached(gd, params, tokens, ones, c)
+            logits, new = apply_cached(gd, params[which], tokens, ones, c)
             nxt = jnp.argmax(logits, -1).astype(jnp.int32)  # in the model's own vocabulary
             return nxt, new.replace(lengths=c.lengths)
 
@@ -123,11 +126,11 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
     def rolled_back(state, new_dcache, last):
         return state.replace(dcache=new_dcache.replace(lengths=state.dcache.lengths), last=last)
 
-    def catch_up(state):
-        logits, carry = drafter.catch_up(dgd, dp, state, ~state.done, vocab)
+    def catch_up(params, state):
+        logits, carry = drafter.catch_up(dgd, params[1], state, ~state.done, vocab)
         return rolled_back(state, drafter.split_carry(carry)[0], best(logits))
 
-    def draft_sample(carry):  # as proposals.propose draws (argmax_draft aside)
+    def draft_sample(_, carry):  # as proposals.propose draws (argmax_draft aside)
         logits_BN, u, q_BV = carry
         restricted = vocab.restrict(logits_BN)
         if greedy:
@@ -138,7 +141,7 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
         x = vocab.token(x.astype(jnp.int32))
         return logits_BN.at[:, 0].add(x.astype(logits_BN.dtype) * 1e-9), u, q_BV
 
-    def verify_piece(carry):  # as speculative._round verifies
+    def verify_piece(_, carry):  # as speculative._round verifies
         logits_BKV, q_BKV, x_BK = carry
         if greedy:
             n, nxt = verify_greedy(logits_BKV, x_BK)
@@ -148,17 +151,17 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
             n, nxt = verify_rule(acc, u, u[:, 0], p, q_BKV, x_BK)
         return logits_BKV.at[:, 0, 0].add((n + nxt).astype(logits_BKV.dtype) * 1e-9), q_BKV, x_BK
 
-    def propose_call(state):
+    def propose_call(params, state):
         u = jnp.full((batch, k), 0.5)
-        return proposals.propose(drafter, dgd, dp, state, u, ~state.done, **settings)
+        return proposals.propose(drafter, dgd, params[1], state, u, ~state.done, **settings)
 
-    def propose(carry):  # q in the carry, as verification keeps it alive in the sampler
+    def propose(params, carry):  # q in the carry, as verification keeps it alive in the sampler
         state, _ = carry
-        x_BK, q, _, _, dcarry, _ = propose_call(state)
+        x_BK, q, _, _, dcarry, _ = propose_call(params, state)
         return rolled_back(state, drafter.split_carry(dcarry)[0], x_BK[:, -1]), q
 
-    def round_(state):
-        new = speculative._round(tgd, dgd, tp, dp, key, state, stop=values[1], drafter=drafter,
+    def round_(params, state):
+        new = speculative._round(tgd, dgd, *params, key, state, stop=values[1], drafter=drafter,
                                  **settings)  # fmt: skip
         return new.replace(
             tcache=new.tcache.replace(lengths=state.tcache.lengths),
@@ -166,15 +169,15 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
             emitted=state.emitted, done=state.done,
         )  # fmt: skip
 
-    q0 = jax.eval_shape(propose_call, state0)[1]
+    q0 = jax.eval_shape(propose_call, (tp, dp), state0)[1]
     logits_BN = jnp.asarray(rng.normal(size=(batch, d_vocab)) * 3, jnp.float32)
     u_B = jnp.full((batch,), 0.37)
     logits_BKV = jnp.asarray(rng.normal(size=(batch, k + 1, t_vocab)) * 3, jnp.float32)
     q_BKV = jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, k, t_vocab)) * 3), -1)
     specs = {
-        'target step': (call(tgd, tp), (toks(1), cache(target))),
-        'draft step': (call(dgd, dp), (toks(1, d_vocab), cache(draft))),
-        'verify call': (call(tgd, tp), (toks(k + 1), cache(target))),
+        'target step': (call(tgd, 0), (toks(1), cache(target))),
+        'draft step': (call(dgd, 1), (toks(1, d_vocab), cache(draft))),
+        'verify call': (call(tgd, 0), (toks(k + 1), cache(target))),
         'catch-up': (catch_up, state0),
         'draft sample': (draft_sample, (logits_BN, u_B, jnp.zeros((batch, t_vocab)))),
         'verify rule': (verify_piece, (logits_BKV, q_BKV, toks(k))),
@@ -183,7 +186,7 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
     }
     out = {}
     for name, (fn, carry) in specs.items():
-        out[name] = functools.partial(_looped(fn, iters), carry)
+        out[name] = functools.partial(_looped(fn, iters), (tp, dp), carry)
     return out
 
 
