@@ -85,20 +85,18 @@ def pieces(target, draft, *, batch, k, width, max_new, sampling, iters, seed=0,
 
     from specjax.models import apply_cached, init_cache, split
     from specjax.sampling import common, drafters, proposals, speculative
-    from specjax.sampling.acceptance import as_acceptance, verify_rule
-    from specjax.sampling.draft_vocab import check_draft_vocab
+    from specjax.sampling.acceptance import verify_rule
     from specjax.sampling.transforms import inverse_cdf, is_greedy, transform_logits
     from specjax.sampling.verify import verify_greedy
 
     (tgd, tp), (dgd, dp) = split(target), split(draft)
-    drafter = drafters.drafter_for(tgd, dgd, 'round_profile')
+    spec = _sampler(tgd, dgd, k=k, max_new=max_new, sampling=sampling,
+                    draft_vocab_ids=draft_vocab_ids)  # fmt: skip
+    # the sampler's own settings: its drafter, vocabulary map and acceptance rule
+    drafter, vocab, acc = (spec.core.keywords[n] for n in ('drafter', 'vocab', 'acc'))
     if not isinstance(drafter, drafters.TokenDrafter):
         raise ValueError('round_profile times token drafts only, got a feature draft')
     t_vocab, d_vocab = target.config.vocab_size, common.config_of(dgd).vocab_size
-    vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
-    acc = as_acceptance('probabilistic')  # the sampler's (make_speculative_fn's default)
-    spec = _sampler(tgd, dgd, k=k, max_new=max_new, sampling=sampling,
-                    draft_vocab_ids=draft_vocab_ids)  # fmt: skip
     values = spec.values  # (TracedSampling, emit.Stop): what the sampler's round reads
     greedy = is_greedy(values[0])
     capacity = width + max_new + k + 1

@@ -71,7 +71,7 @@ def changed_fields(config, recorded) -> tuple[list[dict], list[dict]]:
     groups: dict[object, dict] = {}
     for stage, saved, current in recorded:
         for path, old, new in differences(saved, current):
-            if ABSENT in (old, new) and at_default(path, new if old is ABSENT else old):
+            if (old is ABSENT or new is ABSENT) and at_default(path, new if old is ABSENT else old):
                 continue  # a field newer than the workdir, at its default
             field = source_path(config, stage, path)
             obj = _stored(config, field)
