@@ -146,7 +146,10 @@ def _feature_draft(p: dict, data) -> ml_collections.ConfigDict:
     (vocab_file and the target are set at run time: specjax.quickstart.smollm2_feature)."""
     c = _load('feature_draft', 'size=tiny')
     c.data = ml_collections.ConfigDict(data.to_dict())
-    c.distill.source = 'dataset'  # the rows: the cache's continuations (smollm2_feature)
+    c.distill.source = 'dataset'  # the rows: the teacher cache's (smollm2_feature)
+    # the cache's row sets trained on: 'teacher' (SmolLM2's continuations), 'corpus' (the packed
+    # corpus rows, one target forward each in the feature cache) or 'teacher+corpus'
+    c.rows = 'teacher'
     # SmolLM2's features and log-probs over the N ids on those (finite) rows, computed once and
     # kept in bfloat16 in <wd>/feature_cache; False: SmolLM2 runs in every step
     c.feature.cache = True

@@ -69,6 +69,7 @@ IGNORED_CONFIG_FIELDS = (
 DEFAULT_VALUED_FIELDS = {
     'scan_layers': False,  # model.scan_layers, draft.scan_layers (parameter layout)
     'dynamic_greedy': False,  # eval.dynamic_greedy (spec_eval: greedy's own programs)
+    'rows': 'teacher',  # draft_feature.rows (the SmolLM2 preset's feature draft's row sets)
 }
 
 

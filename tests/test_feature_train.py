@@ -285,7 +285,7 @@ def test_smollm2_feature_stage_trains_on_the_teacher_cache_rows(target_dir, tmp_
     from specjax.quickstart import smollm2_feature as sf
 
     rng, arrays = np.random.default_rng(5), {}
-    for prefix, n in (('train', 6), ('eval', 4)):
+    for prefix, n in (('train', 6), ('corpus', 4), ('eval', 4)):
         rows = _rows(rng, n)
         arrays.update({f'{prefix}_{x}': rows[x] for x in ('tokens', 'positions', 'segment_ids')})
     os.symlink(target_dir / 'target', tmp_path / 'target')
@@ -297,6 +297,13 @@ def test_smollm2_feature_stage_trains_on_the_teacher_cache_rows(target_dir, tmp_
             next(data.train)['tokens'], arrays['train_tokens'][next(order)]
         )
     assert [b['tokens'].shape for b in data.eval_batches] == [(B, T)]
+    # rows='teacher+corpus': the continuations then the corpus rows, one RowOrder over all 10
+    both = sf.cache_data(str(tmp_path / 'teacher_cache'), _Tok(), B, 0, 1, rows='teacher+corpus')
+    rows_both = np.concatenate([arrays['train_tokens'], arrays['corpus_tokens']])
+    order = RowOrder(lambda rows: rows, 10, B, 0)
+    for _ in range(4):  # past the first permutation
+        np.testing.assert_array_equal(next(both.train)['tokens'], rows_both[next(order)])
+    assert both.corpus != data.corpus  # a resume on other rows is refused
 
     c = _config(tmp_path, steps=2, n_layers=1, ttt_steps=2)
     c.distill.source = 'dataset'
@@ -309,3 +316,9 @@ def test_smollm2_feature_stage_trains_on_the_teacher_cache_rows(target_dir, tmp_
     c.distill.source = 'teacher'
     with pytest.raises(ValueError, match=r"config.draft_feature.distill.source='teacher' must"):
         sf.check_config(c, T)
+    c.distill.source, c.rows = 'dataset', 'teacher+eval'
+    with pytest.raises(ValueError, match=r"config.draft_feature.rows='teacher\+eval' must be"):
+        sf.check_config(c, T)
+    c.rows = 'corpus'
+    c.lock()  # as the pipeline hands a stage its section
+    assert sf.take_rows(c) == 'corpus' and 'rows' not in c and sf.take_rows(c) == 'teacher'

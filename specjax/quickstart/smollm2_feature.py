@@ -13,6 +13,11 @@ all the cache's train rows and kept in bfloat16 in <wd>/feature_cache
 time in results.json), and each step reads its rows' from there; without it the target
 recomputes them in every step (it fits beside the draft). The draft proposes the cache's N ids
 (<root>/teacher_cache/vocab.json), as the other two drafts do.
+config.draft_feature.rows picks the row sets (ROW_SETS): 'teacher' (the continuations, the
+default), 'corpus' (the cache's packed corpus rows, `corpus_*`, whose first tokens were the
+prompts) or 'teacher+corpus' (both, continuations first); every row's targets are SmolLM2's
+distribution there, so a corpus row costs one target forward where a continuation cost a
+generation.
 Evaluation: the TTT loss and alpha per unrolled step on the cache's held-out corpus rows
 (`eval_*`); spec_eval (stage spec_feature) measures acceptance and speed.
 """
@@ -25,6 +30,21 @@ import numpy as np
 
 CACHE_DIR = 'teacher_cache'
 FEATURE_CACHE_DIR = 'feature_cache'  # in the stage's workdir (config.feature.cache)
+# config.draft_feature.rows -> the teacher cache's row sets trained on, in this order
+ROW_SETS = {'teacher': ('train',), 'corpus': ('corpus',), 'teacher+corpus': ('train', 'corpus')}
+
+
+def training_arrays(arrays: dict, rows: str) -> dict:
+    """The teacher cache's `arrays` with `train_*` holding the rows of ROW_SETS[rows] (tokens,
+    positions, segment_ids concatenated in that order; the arrays as they are for 'teacher')."""
+    from specjax.distill.reduced_train import BATCH3
+
+    if rows == 'teacher':
+        return arrays
+    out = {k: v for k, v in arrays.items() if not k.startswith('train_')}
+    for x in BATCH3:
+        out[f'train_{x}'] = np.concatenate([arrays[f'{s}_{x}'] for s in ROW_SETS[rows]])
+    return out
 
 
 def cache_rows(arrays: dict, prefix: str, rows, features=None) -> dict:
@@ -41,16 +61,18 @@ def cache_rows(arrays: dict, prefix: str, rows, features=None) -> dict:
     return out
 
 
-def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int, features=None):
-    """The feature mode's RunData over the teacher cache: train rows in RowOrder(seed) (with
-    their cached features from `features`, a FeatureCache of the train rows, when given), the
-    first `eval_batches` batches of its held-out rows; the corpus identity (checked on resume)
-    is a fingerprint of those cached arrays."""
+def cache_data(
+    cache_dir: str, tok, batch: int, seed: int, eval_batches: int, features=None, rows='teacher'
+):
+    """The feature mode's RunData over the teacher cache: the rows of ROW_SETS[rows] in
+    RowOrder(seed) (with their cached features from `features`, a FeatureCache of those rows,
+    when given), the first `eval_batches` batches of its held-out rows; the corpus identity
+    (checked on resume) is a fingerprint of those arrays."""
     from specjax.distill.reduced_task import RowOrder, fingerprint
     from specjax.distill.reduced_train import load_cache
     from specjax.train.runs import RunData
 
-    _, arrays = load_cache(cache_dir)
+    arrays = training_arrays(load_cache(cache_dir)[1], rows)
     m = len(arrays['train_tokens'])
     order = RowOrder(lambda rows: cache_rows(arrays, 'train', rows, features), m, batch, seed)
     n_eval = len(arrays['eval_tokens'])
@@ -68,8 +90,14 @@ def cache_data(cache_dir: str, tok, batch: int, seed: int, eval_batches: int, fe
 
 
 def check_config(cfg, seq_len: int) -> None:
-    """ValueError naming the field: rows as long as the cache's, the 'dataset' source (the
-    feature cache, config.draft_feature.feature.cache, is of those rows)."""
+    """ValueError naming the field: known row sets (cfg.rows), rows as long as the cache's, the
+    'dataset' source (the feature cache, config.draft_feature.feature.cache, is of those rows)."""
+    rows = cfg.get('rows', 'teacher')
+    if rows not in ROW_SETS:
+        raise ValueError(
+            f'config.draft_feature.rows={rows!r} must be one of {sorted(ROW_SETS)} (the '
+            "teacher cache's row sets trained on)"
+        )
     if int(cfg.data.seq_len) != seq_len:
         raise ValueError(
             f'config.draft_feature.data.seq_len={cfg.data.seq_len} must equal the cached rows '
@@ -84,20 +112,32 @@ def check_config(cfg, seq_len: int) -> None:
         )
 
 
+def take_rows(cfg) -> str:
+    """cfg.rows ('teacher' when absent), taken out of `cfg` (locked or not): the preset's key,
+    which the feature_draft mode's config does not have."""
+    rows = cfg.get('rows', 'teacher')
+    if 'rows' in cfg:
+        with cfg.unlocked():
+            del cfg['rows']
+    return rows
+
+
 def run_draft_feature(cfg, wd, root):
-    """The stage: SmolLM2's tokenizer from <root>/target, then train_on_cache."""
+    """The stage: SmolLM2's tokenizer from <root>/target, then train_on_cache on the row sets
+    of cfg.rows (the preset's key, not the mode's: taken out of cfg)."""
     from specjax import data as data_lib
 
+    rows = take_rows(cfg)
     cfg.data.tokenizer = 'huggingface'
     cfg.data.tokenizer_path = os.path.join(root, 'target')
-    train_on_cache(cfg, wd, root, data_lib.build_tokenizer(cfg.data))
+    train_on_cache(cfg, wd, root, data_lib.build_tokenizer(cfg.data), rows=rows)
 
 
-def train_on_cache(cfg, wd, root, tok, on_step=None) -> dict:
+def train_on_cache(cfg, wd, root, tok, on_step=None, rows='teacher') -> dict:
     """The feature_draft mode of `cfg` (configs/feature_draft.py's sections) into `wd`, with
-    <root>/target as the target, <root>/teacher_cache's N ids as the vocabulary and its rows as
-    the data -> the mode's results (<wd>/results.json unless preempted; a rerun resumes;
-    on_step: run_loop's).
+    <root>/target as the target, <root>/teacher_cache's N ids as the vocabulary and its rows of
+    ROW_SETS[rows] as the data -> the mode's results (<wd>/results.json unless preempted; a
+    rerun resumes; on_step: run_loop's).
     cfg.feature.cache: SmolLM2 is loaded once, its outputs on every train row are cached in
     <wd>/feature_cache (built, resumed or reused) and the steps read them from there."""
     from specjax import workdir as workdir_lib
@@ -110,17 +150,18 @@ def train_on_cache(cfg, wd, root, tok, on_step=None) -> dict:
     batch = int(cfg.train.batch_size)
     args = (cache_dir, tok, batch, int(cfg.seed), int(cfg.train.eval_batches))
     if not cfg.feature.cache:
-        return feature_mode.run_feature_draft(cfg, wd, data=cache_data(*args), on_step=on_step)
+        data = cache_data(*args, rows=rows)
+        return feature_mode.run_feature_draft(cfg, wd, data=data, on_step=on_step)
     draft_cfg, ids = feature_mode.prepare(cfg, data_config=False)  # before SmolLM2 loads
     with workdir_lib.opened(wd, feature_mode.MODE) as wd:  # the mode re-enters the lock
         teacher, mesh, rules = feature_mode.load_target(cfg)
-        arrays = load_cache(cache_dir)[1]
+        arrays = training_arrays(load_cache(cache_dir)[1], rows)
         train = {x: arrays[f'train_{x}'] for x in BATCH3}
         features = feature_cache.build_or_load(
             teacher, train, draft_cfg.feature_layers, ids, batch,
             os.path.join(wd, FEATURE_CACHE_DIR), mesh=mesh, rules=rules,
         )  # fmt: skip
-        data = cache_data(*args, features=features)
+        data = cache_data(*args, features=features, rows=rows)
         return feature_mode.run_feature_draft(
             cfg, wd, data=data, on_step=on_step, teacher=teacher, feature_cache=features
         )
