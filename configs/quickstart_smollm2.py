@@ -42,12 +42,13 @@ _PRESETS = {
         ks=(1, 2, 4),
         prompts_per_domain=8,  # 16 prompts, two batches (8 gave acceptance 0.19, alpha 0.24)
         serve_batches=(1,),  # (1, 8) doubles the serving stage's compiles
-        # the feature draft's steps (batch: `batch`, rows: the cache's). Recomputing SmolLM2's
-        # features and logits on 8 x 128 tokens took ~10 s a step on 2 quiet CPU cores; with
-        # feature.cache they are computed once per train row (<wd>/feature_cache, bfloat16; the
-        # cache of 512 rows took 740 s beside another job; a cached step ~4.8 s quiet,
-        # benchmarks/feature_step.py, most of it the draft's TTT unroll)
-        feature_steps=100,
+        # the feature draft's steps (batch: `batch`) and unrolled steps. On its 512 + 512 cached
+        # rows (feature.cache: SmolLM2's outputs computed once per row, ~0.66 s a row quiet) a
+        # step without the unroll costs ~1.1 s against ~5 s with 3 unrolled steps, and 600 such
+        # steps reached held-out alpha 0.44 (0.41 on the 512 continuations alone; 3 unrolled
+        # steps x 150 steps: 0.29) - docs/quickstart.md, "Steps or rows?"
+        feature_steps=600,
+        feature_ttt_steps=1,
     ),
     'tiny': dict(
         n=512,
@@ -64,6 +65,7 @@ _PRESETS = {
         prompts_per_domain=1,
         serve_batches=(1, 2),
         feature_steps=4,
+        feature_ttt_steps=1,
     ),
 }
 
@@ -74,7 +76,7 @@ _ESTIMATES = {
         teacher_cache=690,
         draft_ce=300,
         draft_distilled=240,
-        draft_feature=1300,  # the feature cache (740 s) + 100 cached steps (~5 s each)
+        draft_feature=1350,  # the feature cache (1024 rows, ~680 s) + 600 steps (~1.1 s each)
         spec_ce=390,
         spec_distilled=270,
         spec_feature=300,
@@ -148,12 +150,14 @@ def _feature_draft(p: dict, data) -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(data.to_dict())
     c.distill.source = 'dataset'  # the rows: the teacher cache's (smollm2_feature)
     # the cache's row sets trained on: 'teacher' (SmolLM2's continuations), 'corpus' (the packed
-    # corpus rows, one target forward each in the feature cache) or 'teacher+corpus'
-    c.rows = 'teacher'
+    # corpus rows, one target forward each in the feature cache) or 'teacher+corpus' (twice the
+    # rows for one more target forward each: the draft memorised 512 rows, docs/quickstart.md)
+    c.rows = 'teacher+corpus'
     # SmolLM2's features and log-probs over the N ids on those (finite) rows, computed once and
     # kept in bfloat16 in <wd>/feature_cache; False: SmolLM2 runs in every step
     c.feature.cache = True
     c.feature.vocab_size = p['n']
+    c.feature.ttt_steps = p['feature_ttt_steps']  # 1: no unroll (configs/feature_draft.py: 3)
     c.train.steps = p['feature_steps']
     c.train.batch_size = p['batch']
     c.train.warmup_steps = max(p['feature_steps'] // 10, 1)
