@@ -2,22 +2,21 @@
 
 Stage `draft_feature` (specjax.quickstart.smollm2.stages) runs the `feature_draft` mode
 (specjax.distill.feature_mode: checkpoints, bit-identical resume, the workdir lock, SIGTERM ->
-exit 42) with SmolLM2 (<root>/target) as the frozen target and, as its rows, the ones the
-distilled draft trains on: SmolLM2's own continuations of corpus prompts in
-<root>/teacher_cache/teacher.npz (`train_*`, DistillSpec's teacher-generated data), drawn in the
-distilled draft's row order (specjax.distill.reduced_task.RowOrder, same seed) and fed to the
-mode as its 'dataset' source. With config.draft_feature.feature.cache (the preset's setting),
-SmolLM2's features of the chosen layers and its log-probs over the N ids are computed once for
-all the cache's train rows and kept in bfloat16 in <wd>/feature_cache
+exit 42) with SmolLM2 (<root>/target) as the frozen target and, as its rows, row sets of
+<root>/teacher_cache/teacher.npz chosen by config.draft_feature.rows (ROW_SETS): 'teacher' (the
+key's meaning when absent) is the distilled draft's rows, SmolLM2's own continuations of corpus
+prompts (`train_*`, DistillSpec's teacher-generated data); 'corpus' the cache's packed corpus
+rows (`corpus_*`, whose first tokens were those prompts); 'teacher+corpus' (the preset's
+setting) both, continuations first. They are drawn in RowOrder (specjax.distill.reduced_task,
+the distilled draft's seed; its order for 'teacher') and fed to the mode as its 'dataset'
+source. Every row's targets are SmolLM2's distribution there, so a corpus row costs one target
+forward where a continuation cost a generation. With config.draft_feature.feature.cache (the
+preset's setting), SmolLM2's features of the chosen layers and its log-probs over the N ids are
+computed once for all those rows and kept in bfloat16 in <wd>/feature_cache
 (specjax.distill.feature_cache: resumed if interrupted, reused by a rerun; its size and build
 time in results.json), and each step reads its rows' from there; without it the target
 recomputes them in every step (it fits beside the draft). The draft proposes the cache's N ids
 (<root>/teacher_cache/vocab.json), as the other two drafts do.
-config.draft_feature.rows picks the row sets (ROW_SETS): 'teacher' (the continuations, the
-default), 'corpus' (the cache's packed corpus rows, `corpus_*`, whose first tokens were the
-prompts) or 'teacher+corpus' (both, continuations first); every row's targets are SmolLM2's
-distribution there, so a corpus row costs one target forward where a continuation cost a
-generation.
 Evaluation: the TTT loss and alpha per unrolled step on the cache's held-out corpus rows
 (`eval_*`); spec_eval (stage spec_feature) measures acceptance and speed.
 """
