@@ -114,7 +114,12 @@ class Attention(nnx.Module):
         return rope(q, positions_BT, self.inv_freq), rope(k, positions_BT, self.inv_freq), v
 
     def project_out(self, out_BTHD):
-        return jnp.einsum('bthd,hde->bte', out_BTHD, self.o[...].astype(self.dtype))
+        # One contracted axis of H * D, both operands reshaped (free on the row-major weight):
+        # contracting (h, d) as two axes let XLA:CPU transpose the whole [H, D, E] weight on
+        # every call to match the attention output's layout (docs/performance.md).
+        b, t, h, d = out_BTHD.shape
+        w_FE = self.o[...].astype(self.dtype).reshape(h * d, -1)
+        return jnp.einsum('btf,fe->bte', out_BTHD.reshape(b, t, h * d), w_FE)
 
     def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
         """-> (output [B, T, E], (k, v)). Without cache_kv attends within the T tokens; with
