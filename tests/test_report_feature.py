@@ -40,6 +40,7 @@ def _record():
     }
     serve = {
         'k': 2,
+        'sampling': {'temperature': 0.0},
         'rows': [
             {'method': 'target', 'batch_size': 1, 'tokens_per_s': 30.0},
             {'method': 'spec_feature', 'batch_size': 1, 'tokens_per_s': 27.0},
@@ -70,6 +71,13 @@ def test_each_goal_is_met_or_missed_by_its_gap():
         f'<= {FEATURE_GOALS["train_seconds"]:g}',
         'short by 300',
     ]
+
+
+def test_serve_at_t1_gives_no_greedy_batch1_row():
+    d = _record()
+    d['serve']['sampling']['temperature'] = 1.0
+    names = [r[0] for r in feature_goal_rows(d)]
+    assert not any(n.startswith('speedup over the target alone, batch 1, greedy') for n in names)
 
 
 def test_position_one_against_the_rest_pools_the_prompts():

@@ -70,7 +70,8 @@ def feature_goal_rows(d: dict) -> list[list]:
             )
     sv = d['serve']
     methods = {row['method'] for row in sv['rows'] if row['batch_size'] == 1}
-    if {'spec_feature', 'target'} <= methods:
+    greedy = sv.get('sampling', {}).get('temperature') == 0.0
+    if greedy and {'spec_feature', 'target'} <= methods:
         pair, alone = serve_row(sv, 'spec_feature', 1), serve_row(sv, 'target', 1)
         speedup = pair['tokens_per_s'] / alone['tokens_per_s']
         goal = FEATURE_GOALS['speedup_batch1']['T=0']
