@@ -91,9 +91,9 @@ def test_serving_serves_a_feature_draft_beside_the_drafts(workdirs, tmp_path, mo
     from specjax.evaluation import measure, serving
 
     compiles = []
-    real_compile = measure.compile_sampler
+    real_compile = measure.compile_samplers
     monkeypatch.setattr(
-        measure, 'compile_sampler', lambda *a: compiles.append(a[0]) or real_compile(*a)
+        measure, 'compile_samplers', lambda jobs: compiles.extend(jobs) or real_compile(jobs)
     )
 
     root, data = workdirs

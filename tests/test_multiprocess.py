@@ -156,6 +156,7 @@ def test_two_processes_agree_with_one_and_write_results_once(tmp_path):
 # v(k)) or compile: they differ between any two runs. Everything else must be identical.
 TIMED_FIELDS = {
     'compile_s',
+    'warmup_s',
     'memory',
     'wall_s',
     'wall_s_repeats',

@@ -2,7 +2,8 @@
 
 `compile_sampler` lowers and compiles a sampler from `make_speculative_fn` /
 `make_autoregressive_fn` ahead of time (same core, mesh, rules and shardings as its own jit), so
-compile time is separate from run time and the executable's `memory_analysis()` is at hand.
+compile time is separate from run time and the executable's `memory_analysis()` is at hand;
+`compile_samplers` compiles several side by side.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import psutil
 
 from specjax.parallel.distributed import agreed_max, barrier
-from specjax.sampling import common
+from specjax.sampling import aot, common
 from specjax.sampling.calibrate import interleaved_times
 
 
@@ -42,13 +43,30 @@ class CompiledSampler:
 
 def compile_sampler(sampler, params: list, prompts, prompt_lengths, rng) -> CompiledSampler:
     """Lowers and compiles `sampler` (a ShardedSampler) for these argument shapes (this
-    process's prompt rows), then waits for every process to have compiled it too: CPU (gloo)
-    collectives give up when one process runs a program 30 s before another can."""
-    t0 = time.perf_counter()
-    compiled = sampler.lower(*params, prompts, prompt_lengths, rng).compile()
-    compile_s = time.perf_counter() - t0
+    process's prompt rows): compile_samplers with one job."""
+    return compile_samplers([(sampler, params, prompts, prompt_lengths, rng)])[0]
+
+
+def compile_samplers(jobs: list) -> list[CompiledSampler]:
+    """Ahead-of-time compiles of several samplers, each job (sampler, params, prompts,
+    prompt_lengths, rng), in job order.
+
+    Lowering (Python tracing) runs here one job after another; XLA then compiles them side by
+    side (specjax.sampling.aot). Each result's compile_s is its lowering seconds plus its share
+    of the group's compile wall seconds (aot.shares), so a group's compile_s sum to the time it
+    took. Every process then
+    waits for the others to have compiled too: CPU (gloo) collectives give up when one process
+    runs a program 30 s before another can.
+    """
+    lowered, lower_s = [], []
+    for sampler, params, prompts, prompt_lengths, rng in jobs:
+        t0 = time.perf_counter()
+        lowered.append(sampler.lower(*params, prompts, prompt_lengths, rng))
+        lower_s.append(time.perf_counter() - t0)
+    compiled, own, wall = aot.compile_lowered(lowered)
     barrier('compile_sampler')
-    return CompiledSampler(compiled, sampler, compile_s)
+    seconds = [a + b for a, b in zip(lower_s, aot.shares(own, wall), strict=True)]
+    return [CompiledSampler(c, job[0], t) for c, job, t in zip(compiled, jobs, seconds)]
 
 
 def compiled_memory(compiled) -> dict:
@@ -103,21 +121,28 @@ def environment() -> dict:
     }
 
 
-def floored_times(calls: dict, repeats: int, floor_s: float) -> tuple[dict, dict]:
+def floored_times(
+    calls: dict, repeats: int, floor_s: float, probes: dict | None = None
+) -> tuple[dict, dict]:
     """Interleaved timings whose timed regions last at least `floor_s` seconds.
 
-    Each call is timed once (untimed probe) and then repeated `passes` = ceil(floor_s / probe)
-    times inside every timed region, so regions of a few milliseconds do not decide a ranking.
-    With several processes every one runs each call the same number of times (the largest
-    `passes` any process found: agreed_max), or their collectives would stop matching (gloo
-    aborts with 'Received data size doesn't match expected size'). The seconds are this
-    process's own. Returns (name -> list of `repeats` seconds per single call, name -> passes).
+    Each call's probe time (`probes[name]`: seconds of an untimed call already made, such as
+    its warm-up; else the call is timed once here, untimed) sets how often it is repeated
+    inside every timed region, `passes` = ceil(floor_s / probe), so regions of a few
+    milliseconds do not decide a ranking. With several processes every one runs each call the
+    same number of times (the largest `passes` any process found: agreed_max), or their
+    collectives would stop matching (gloo aborts with 'Received data size doesn't match
+    expected size'). The seconds are this process's own. Returns (name -> list of `repeats`
+    seconds per single call, name -> passes).
     """
     passes = {}
     for name, fn in calls.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        probe = time.perf_counter() - t0
+        if probes is not None and name in probes:
+            probe = probes[name]
+        else:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            probe = time.perf_counter() - t0
         passes[name] = max(1, math.ceil(floor_s / probe)) if probe > 0 and floor_s > 0 else 1
     if floor_s > 0:  # else 1 everywhere
         passes = dict(zip(passes, agreed_max(list(passes.values()))))

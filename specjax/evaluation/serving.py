@@ -196,7 +196,8 @@ def _chunks(rows: np.ndarray, b: int) -> list[np.ndarray]:
 
 
 def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng, count: int):
-    """Every (method, batch) of `methods` compiled ahead of time for n tokens and decoded once;
+    """Every (method, batch) of `methods` compiled ahead of time for n tokens (side by side:
+    measure.compile_samplers) and decoded once;
     its 1-token call (key (method, batch, 1)) runs that program with a run-time limit of 1.
 
     Each batch size serves the same `count` prompts (serve_rows) in batches of b: at batch 1,
@@ -205,7 +206,7 @@ def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng
     is decoded for its samples, not timed); outputs[(method, batch)] holds the N-token decode on
     host, (tokens [count, N], lengths [count]) in serve_rows order.
     """
-    calls, compiled, outputs, per_pass = {}, {}, {}, {}
+    calls, compiled, outputs, per_pass, jobs = {}, {}, {}, {}, {}
     rows = serve_rows(prompts.domains, max(count, max(batch_sizes)))
     for b in batch_sizes:
         chunks = _chunks(rows, b)
@@ -213,21 +214,23 @@ def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng
         inputs = [(prompts.tokens[idx], prompts.lengths[idx]) for idx in chunks]
         for method in methods + (('draft_ce',) if b == max(batch_sizes) else ()):
             fn, params = sampler(method, n)
-            toks = [(inputs_for(method, t), ln) for t, ln in inputs]
-            c = measure.compile_sampler(fn, params, *toks[0], rng)
-            compiled[method, b, n] = c
-            first = measure.CompiledSampler(c.compiled, fn.with_max_new(1), c.compile_s)
-            for max_new, run in ((n, c), (1, first)):
-                calls[method, b, max_new] = lambda run=run, params=params, toks=toks: [
-                    run(*params, t, ln, rng) for t, ln in toks
-                ]
-            outs = jax.device_get(jax.block_until_ready(calls[method, b, n]()))
-            outputs[method, b] = (
-                np.concatenate([np.asarray(o.tokens) for o in outs])[: len(rows)],
-                np.concatenate([np.asarray(o.lengths) for o in outs])[: len(rows)],
-            )
-            if method not in methods:  # samples only: not timed
-                del calls[method, b, n], calls[method, b, 1]
+            jobs[method, b] = (fn, params, [(inputs_for(method, t), ln) for t, ln in inputs])
+    group = [(fn, params, *toks[0], rng) for fn, params, toks in jobs.values()]
+    for (method, b), c in zip(jobs, measure.compile_samplers(group)):
+        fn, params, toks = jobs[method, b]
+        compiled[method, b, n] = c
+        first = measure.CompiledSampler(c.compiled, fn.with_max_new(1), c.compile_s)
+        for max_new, run in ((n, c), (1, first)):
+            calls[method, b, max_new] = lambda run=run, params=params, toks=toks: [
+                run(*params, t, ln, rng) for t, ln in toks
+            ]
+        outs = jax.device_get(jax.block_until_ready(calls[method, b, n]()))
+        outputs[method, b] = (
+            np.concatenate([np.asarray(o.tokens) for o in outs])[: len(rows)],
+            np.concatenate([np.asarray(o.lengths) for o in outs])[: len(rows)],
+        )
+        if method not in methods:  # samples only: not timed
+            del calls[method, b, n], calls[method, b, 1]
     return calls, compiled, outputs, per_pass, rows
 
 

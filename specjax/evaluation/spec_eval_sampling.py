@@ -16,6 +16,7 @@ runs it for every setting, and specjax.preflight.selfcheck on a fixed calibratio
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import numpy as np
@@ -60,40 +61,52 @@ def acceptance(ev) -> Acceptance:
     return as_acceptance(a)
 
 
-def _compile_and_run(sampler_fn, params, prompts: Prompts, batch_size: int, seed: int):
-    """Compiles ahead of time and decodes every batch once (untimed: this is the warm-up).
+def _compile_and_run(points: dict, prompts: Prompts, batch_size: int, seed: int) -> dict:
+    """Compiles every point's sampler ahead of time, side by side (measure.compile_samplers),
+    and decodes every batch once with each (untimed: this is the warm-up).
 
-    Returns (run_all, outputs, record): run_all() decodes all batches again with the same keys
-    (same outputs), for timing.
+    points: name -> (sampler_fn, params). Returns name -> (run_all, outputs, record): run_all()
+    decodes all batches again with the same keys (same outputs), for timing.
     """
     batches = list(prompts.batches(batch_size))
     rng = jax.random.key(seed)
     _, tok0, len0 = batches[0]
-    host = sampler_fn.host_rows  # each process compiles for, and feeds, its own rows
-    compiled = measure.compile_sampler(sampler_fn, params, host(tok0), host(len0), rng)
+    # each process compiles for, and feeds, its own rows
+    jobs = [
+        (fn, params, fn.host_rows(tok0), fn.host_rows(len0), rng) for fn, params in points.values()
+    ]
+    out = {}
+    for name, compiled, (_, params) in zip(points, measure.compile_samplers(jobs), points.values()):
 
-    def run_all():
-        return pair_eval.decode_batches(compiled, params, batches, rng)
+        def run_all(compiled=compiled, params=params):
+            return pair_eval.decode_batches(compiled, params, batches, rng)
 
-    outputs = [(rows, to_host(out)) for rows, out in jax.block_until_ready(run_all())]
-    generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs))
-    record = {
-        'rows': len(prompts),
-        'generated_tokens': generated,
-        'compile_s': compiled.compile_s,
-        'memory': {'compiled': compiled.memory(), 'process': measure.process_memory()},
-    }
-    return run_all, outputs, record
+        t0 = time.perf_counter()
+        outputs = jax.block_until_ready(run_all())
+        warmup_s = time.perf_counter() - t0
+        outputs = [(rows, to_host(o)) for rows, o in outputs]
+        generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs))
+        record = {
+            'rows': len(prompts),
+            'generated_tokens': generated,
+            'compile_s': compiled.compile_s,
+            'warmup_s': warmup_s,  # the untimed first pass: the timing's probe
+            'memory': {'compiled': compiled.memory(), 'process': measure.process_memory()},
+        }
+        out[name] = (run_all, outputs, record)
+    return out
 
 
 def _time_points(run_alls: dict, records: dict, repeats: int, floor_s: float) -> dict:
     """Times every point's full pass round-robin `repeats` times, each timed region repeating
-    the pass until it lasts `floor_s` (measure.floored_times); fills wall/per-token fields and
-    the point's timing summary (intervals.timing_summary).
+    the pass until it lasts `floor_s` (measure.floored_times, each point's warm-up pass as its
+    probe); fills wall/per-token fields and the point's timing summary
+    (intervals.timing_summary).
 
     Returns name -> array [repeats] of seconds per generated token.
     """
-    times, passes = measure.floored_times(run_alls, repeats, floor_s)
+    probes = {name: rec['warmup_s'] for name, rec in records.items()}
+    times, passes = measure.floored_times(run_alls, repeats, floor_s, probes)
     per_token = {}
     for name, t in times.items():
         rec = records[name]
@@ -151,9 +164,9 @@ def evaluate_sampling(
 ):
     """Autoregressive and speculative (every k) decoding for one sampling setting.
 
-    Compiles and decodes every point once, then times all points round-robin, so load drift on
-    a shared machine hits them alike; measured speedup is the median over repeats of the
-    per-repeat ratio. Returns (runs, buckets, optimal-k record).
+    Compiles every point (side by side) and decodes with each once, then times all points
+    round-robin, so load drift on a shared machine hits them alike; measured speedup is the
+    median over repeats of the per-repeat ratio. Returns (runs, buckets, optimal-k record).
     """
     target, draft, t_graphdef, d_graphdef, t_params, d_params, ids = models
     label = sampling_label(sampling)
@@ -170,13 +183,9 @@ def evaluate_sampling(
         rules=rules,
         dynamic_sampling=dynamic_sampling(sampling, ev),
     )
-    run_alls, outputs, records = {}, {}, {}
-    ar_fn = make_autoregressive_fn(t_graphdef, **common)
+    points = {'ar': (make_autoregressive_fn(t_graphdef, **common), [t_params])}
     if ids is not None:  # a reduced-vocabulary draft (its workdir's draft_vocab.json)
         common['draft_vocab_ids'] = tuple(ids)
-    run_alls['ar'], outputs['ar'], records['ar'] = _compile_and_run(
-        ar_fn, [t_params], prompts, batch, seed
-    )
     for k in ks:
         fn = make_speculative_fn(
             t_graphdef,
@@ -186,9 +195,11 @@ def evaluate_sampling(
             draft_rules=draft_rules,
             **common,
         )
-        run_alls[k], outputs[k], records[k] = _compile_and_run(
-            fn, [t_params, d_params], prompts, batch, seed
-        )
+        points[k] = (fn, [t_params, d_params])
+    done = _compile_and_run(points, prompts, batch, seed)
+    run_alls = {name: d[0] for name, d in done.items()}
+    outputs = {name: d[1] for name, d in done.items()}
+    records = {name: d[2] for name, d in done.items()}
     floor_s = float(ev.get('timing_floor_s', 0.0))
     per_token = _time_points(run_alls, records, int(ev.timing_repeats), floor_s)
 

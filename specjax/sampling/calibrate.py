@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import Transformer, apply_cached, check_capacity, init_cache, merge, split
+from specjax.sampling import aot, drafters
 from specjax.sampling import common as sampling_common
-from specjax.sampling import drafters
 
 
 @dataclasses.dataclass
@@ -100,6 +100,12 @@ def _loop_fn(graphdef, iters: int):
 def timed_call(model, *, batch_size, num_tokens, context_len, capacity, iters, seed=0):
     """A zero-argument call running `iters` cached calls of [batch_size, num_tokens] at cache
     length context_len in one jitted loop (time it and divide by iters)."""
+    fn, args = _loop_call(model, batch_size, num_tokens, context_len, capacity, iters, seed)
+    return lambda: fn(*args)
+
+
+def _loop_call(model, batch_size, num_tokens, context_len, capacity, iters, seed=0):
+    """(jitted loop, its arguments) of timed_call."""
     graphdef, params = split(model)
     cfg = sampling_common.config_of(graphdef)  # a feature draft: its own blocks' config
     for name, value in (('batch_size', batch_size), ('num_tokens', num_tokens), ('iters', iters)):
@@ -109,8 +115,18 @@ def timed_call(model, *, batch_size, num_tokens, context_len, capacity, iters, s
     cache = init_cache(cfg, batch_size, capacity, lengths=jnp.full((batch_size,), context_len))
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, num_tokens)), jnp.int32)
-    fn = _loop_fn(graphdef, iters)
-    return lambda: fn(params, tokens, cache)
+    return _loop_fn(graphdef, iters), (params, tokens, cache)
+
+
+def compiled_calls(parts: dict) -> dict:
+    """name -> zero-argument call of each (jitted fn, args) in `parts`, all compiled ahead of
+    time side by side (specjax.sampling.aot)."""
+    lowered = [fn.lower(*args) for fn, args in parts.values()]
+    compiled, _, _ = aot.compile_lowered(lowered)
+    return {
+        name: functools.partial(c, *args)
+        for (name, (_, args)), c in zip(parts.items(), compiled, strict=True)
+    }
 
 
 def interleaved_times(
@@ -172,7 +188,8 @@ def calibrate(
 ) -> Calibration:
     """Measures target/draft single-step times and (k+1)-token verification times.
 
-    All calls are timed round-robin (`interleaved_times`); c and v(k) are medians of the
+    Its programs compile side by side (`compiled_calls`), then all calls are timed round-robin
+    (`interleaved_times`); c and v(k) are medians of the
     per-repeat ratios, which shrugs off load drift on a shared machine better than ratios of
     medians. capacity defaults to context_len + max(ks) + 1 rounded up to a multiple of 64
     (attention reads the whole cache: use the capacity your sampler runs with).
@@ -191,13 +208,13 @@ def calibrate(
         )
     if capacity is None:
         capacity = -(-(context_len + max(ks) + 1) // 64) * 64
-    common = dict(batch_size=batch_size, context_len=context_len, capacity=capacity, iters=iters)
-    calls = {
-        'target': timed_call(target, num_tokens=1, **common),
-        'draft': timed_call(draft, num_tokens=1, **common),
+    common = (context_len, capacity, iters)
+    parts = {
+        'target': _loop_call(target, batch_size, 1, *common),
+        'draft': _loop_call(draft, batch_size, 1, *common),
     }
-    calls.update({k: timed_call(target, num_tokens=k + 1, **common) for k in ks})
-    times = interleaved_times(calls, repeats=repeats)
+    parts.update({k: _loop_call(target, batch_size, k + 1, *common) for k in ks})
+    times = interleaved_times(compiled_calls(parts), repeats=repeats)
     target_t = np.asarray(times['target'])
     target_step = float(np.median(target_t)) / iters
     ratio = lambda name: float(np.median(np.asarray(times[name]) / target_t))
