@@ -325,7 +325,7 @@ def load_model(
     The step is verified first (CorruptCheckpoint naming its folder: it is refused, never
     skipped for an older one; checkpoint_integrity.verification_enabled() turns this off).
     """
-    from specjax.models import Transformer, TransformerConfig
+    from specjax.models import TransformerConfig, abstract_model
     from specjax.models.layout import to_layout
     from specjax.parallel import param_shardings
 
@@ -340,8 +340,7 @@ def load_model(
             )
         cfg = TransformerConfig.from_dict(meta[config_key])
         ckpts.verify_step(step)
-        abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-        graphdef, abstract_params = nnx.split(abstract_model)
+        graphdef, abstract_params = abstract_model(cfg)
         if mesh is not None:
             shardings = param_shardings(mesh, abstract_params, rules)
         else:

@@ -30,13 +30,13 @@ from specjax.distill.evaluation import Evaluator
 from specjax.distill.results import collect_results, finish_results
 from specjax.distill.sources import DistillData, load_data
 from specjax.distill.steps import CotrainState, LossSettings, jit_cotrain_step
-from specjax.models import Transformer, TransformerConfig
+from specjax.models import Transformer, TransformerConfig, abstract_model
 from specjax.parallel import batch_sharding, make_mesh
 from specjax.parallel.mesh import mesh_rules
 from specjax.train.loop import Task, run_loop
 from specjax.train.optimizer import learning_rate_schedule, make_optimizer
 from specjax.train.runs import batch_placer, check_vocab, train_flops
-from specjax.train.state import TrainState, abstract_model, state_shardings
+from specjax.train.state import TrainState, state_shardings
 
 # config.train fields that must equal the pretrain run's for co-training to continue its schedule.
 _SCHEDULE_FIELDS = (

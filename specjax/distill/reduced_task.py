@@ -28,10 +28,10 @@ import optax
 
 from specjax.checkpoint import abstract_with_shardings
 from specjax.distill import reduced_vocab as rv
-from specjax.models import apply
+from specjax.models import abstract_model, apply
 from specjax.train.loop import Task
 from specjax.train.losses import next_token_targets
-from specjax.train.state import TrainState, abstract_model
+from specjax.train.state import TrainState
 
 MODE = 'distill_reduced'  # checkpoint metadata, the workdir lock and results.json
 

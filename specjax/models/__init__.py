@@ -2,7 +2,7 @@
 
 from specjax.models.config import TransformerConfig
 from specjax.models.feature_draft import FeatureDraft, FeatureDraftConfig
-from specjax.models.functional import apply, apply_cached, merge, split
+from specjax.models.functional import abstract_model, apply, apply_cached, merge, split
 from specjax.models.kv_cache import KVCache, check_capacity, init_cache
 from specjax.models.layout import stack_layers, to_layout, unstack_layers
 from specjax.models.transformer import Transformer
@@ -13,6 +13,7 @@ __all__ = [
     'KVCache',
     'Transformer',
     'TransformerConfig',
+    'abstract_model',
     'apply',
     'apply_cached',
     'check_capacity',

@@ -128,7 +128,7 @@ def shard_bytes(abstract, shardings) -> tuple[int, int]:
 
 def abstract_params(cfg: TransformerConfig):
     """(graphdef, abstract params) of a `cfg` Transformer; nothing allocated."""
-    from specjax.train.state import abstract_model
+    from specjax.models import abstract_model
 
     return abstract_model(cfg)
 

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from specjax.checkpoint import abstract_with_shardings
-from specjax.models import Transformer, TransformerConfig
+from specjax.models import Transformer, TransformerConfig, abstract_model
 from specjax.parallel import check_divisible, param_shardings, replicated
 
 
@@ -24,12 +24,6 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array
-
-
-def abstract_model(cfg: TransformerConfig):
-    """(graphdef, abstract params) without allocating anything."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    return nnx.split(model)
 
 
 def opt_state_shardings(tx, abstract_opt_state, params_shardings, mesh):
