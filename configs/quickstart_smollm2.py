@@ -63,7 +63,7 @@ _PRESETS = {
         new_tokens=8,
         ks=(1, 2),
         prompts_per_domain=1,
-        serve_batches=(1, 2),
+        serve_batches=(1,),  # as full: serve reuses spec_eval's batch-1 programs
         feature_steps=4,
         feature_ttt_steps=1,
     ),
@@ -223,9 +223,10 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     ev.prompts_per_domain = p['prompts_per_domain']
     ev.prompt_len_min, ev.prompt_len_max = (16, 48) if size == 'full' else (8, 16)
     ev.max_new_tokens = p['new_tokens']
-    # tiny: its 2 prompts in one batch of 2, the shape serve's batch-2 calls have, so serve
-    # reuses spec_eval's greedy programs (the token limit and eos are run-time values)
-    ev.batch_size = 8 if size == 'full' else 2
+    # tiny: its 2 prompts in batches of 1, the shape serve's calls have, so serve reuses
+    # spec_eval's greedy programs (the token limit and eos are run-time values) and compiles
+    # only the draft served alone
+    ev.batch_size = 8 if size == 'full' else 1
     ev.ks = p['ks']
     ev.samplings = ((0.0, 0, 1.0), (1.0, 0, 1.0))
     ev.prompt_len_edges = (32,) if size == 'full' else (12,)
