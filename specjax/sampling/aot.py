@@ -1,9 +1,9 @@
 """Ahead-of-time compiles side by side.
 
-XLA releases the GIL while it compiles, and no single compile keeps every core busy, so on a
-few CPU cores several lowered programs compiled in threads take less wall time than one after
-another (three of SmolLM2's decode programs: 1.4x less on 2 cores, docs/performance.md). A
-program jit has compiled already comes back from its cache.
+XLA releases the GIL while it compiles, and no single compile keeps every core busy, so several
+lowered programs compiled in threads take less wall time than one after another
+(docs/performance.md, "Compiling side by side"). A program jit has compiled already comes back
+from its cache.
 """
 
 from __future__ import annotations
