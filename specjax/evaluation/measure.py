@@ -54,9 +54,8 @@ def compile_samplers(jobs: list) -> list[CompiledSampler]:
     Lowering (Python tracing) runs here one job after another; XLA then compiles them side by
     side (specjax.sampling.aot). Each result's compile_s is its lowering seconds plus its share
     of the group's compile wall seconds (aot.shares), so a group's compile_s sum to the time it
-    took. Every process then
-    waits for the others to have compiled too: CPU (gloo) collectives give up when one process
-    runs a program 30 s before another can.
+    took. Every process then waits for the others to have compiled too: CPU (gloo) collectives
+    give up when one process runs a program 30 s before another can.
     """
     lowered, lower_s = [], []
     for sampler, params, prompts, prompt_lengths, rng in jobs:

@@ -61,12 +61,13 @@ def acceptance(ev) -> Acceptance:
     return as_acceptance(a)
 
 
-def _compile_and_run(points: dict, prompts: Prompts, batch_size: int, seed: int) -> dict:
+def _compile_and_run(points: dict, prompts: Prompts, batch_size: int, seed: int):
     """Compiles every point's sampler ahead of time, side by side (measure.compile_samplers),
     and decodes every batch once with each (untimed: this is the warm-up).
 
-    points: name -> (sampler_fn, params). Returns name -> (run_all, outputs, record): run_all()
-    decodes all batches again with the same keys (same outputs), for timing.
+    points: name -> (sampler_fn, params). Returns (run_alls, outputs, records), each keyed by
+    point name: run_alls[name]() decodes all batches again with the same keys (same outputs),
+    for timing.
     """
     batches = list(prompts.batches(batch_size))
     rng = jax.random.key(seed)
@@ -75,26 +76,26 @@ def _compile_and_run(points: dict, prompts: Prompts, batch_size: int, seed: int)
     jobs = [
         (fn, params, fn.host_rows(tok0), fn.host_rows(len0), rng) for fn, params in points.values()
     ]
-    out = {}
+    run_alls, outputs, records = {}, {}, {}
     for name, compiled, (_, params) in zip(points, measure.compile_samplers(jobs), points.values()):
 
         def run_all(compiled=compiled, params=params):
             return pair_eval.decode_batches(compiled, params, batches, rng)
 
         t0 = time.perf_counter()
-        outputs = jax.block_until_ready(run_all())
+        out = jax.block_until_ready(run_all())
         warmup_s = time.perf_counter() - t0
-        outputs = [(rows, to_host(o)) for rows, o in outputs]
-        generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs))
-        record = {
+        outputs[name] = [(rows, to_host(o)) for rows, o in out]
+        generated = int(sum(o.lengths[: len(r)].sum() for r, o in outputs[name]))
+        run_alls[name] = run_all
+        records[name] = {
             'rows': len(prompts),
             'generated_tokens': generated,
             'compile_s': compiled.compile_s,
             'warmup_s': warmup_s,  # the untimed first pass: the timing's probe
             'memory': {'compiled': compiled.memory(), 'process': measure.process_memory()},
         }
-        out[name] = (run_all, outputs, record)
-    return out
+    return run_alls, outputs, records
 
 
 def _time_points(run_alls: dict, records: dict, repeats: int, floor_s: float) -> dict:
@@ -196,10 +197,7 @@ def evaluate_sampling(
             **common,
         )
         points[k] = (fn, [t_params, d_params])
-    done = _compile_and_run(points, prompts, batch, seed)
-    run_alls = {name: d[0] for name, d in done.items()}
-    outputs = {name: d[1] for name, d in done.items()}
-    records = {name: d[2] for name, d in done.items()}
+    run_alls, outputs, records = _compile_and_run(points, prompts, batch, seed)
     floor_s = float(ev.get('timing_floor_s', 0.0))
     per_token = _time_points(run_alls, records, int(ev.timing_repeats), floor_s)
 

@@ -26,8 +26,8 @@ def merge(graphdef, params) -> Transformer:
 
 def abstract_model(cfg):
     """(graphdef, abstract params: an nnx.State of ShapeDtypeStructs) of Transformer(cfg),
-    allocating nothing. Traced once per config in a process (a 30-layer model takes about half
-    a second); every call gets its own copy of the state."""
+    allocating nothing. Traced once per config in a process; every call gets its own copy of
+    the state (callers may fill its variables)."""
     graphdef, state = _abstract_model(cfg)
     return graphdef, jax.tree.map(lambda x: x, state)
 

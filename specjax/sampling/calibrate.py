@@ -189,10 +189,10 @@ def calibrate(
     """Measures target/draft single-step times and (k+1)-token verification times.
 
     Its programs compile side by side (`compiled_calls`), then all calls are timed round-robin
-    (`interleaved_times`); c and v(k) are medians of the
-    per-repeat ratios, which shrugs off load drift on a shared machine better than ratios of
-    medians. capacity defaults to context_len + max(ks) + 1 rounded up to a multiple of 64
-    (attention reads the whole cache: use the capacity your sampler runs with).
+    (`interleaved_times`); c and v(k) are medians of the per-repeat ratios, which shrugs off
+    load drift on a shared machine better than ratios of medians. capacity defaults to
+    context_len + max(ks) + 1 rounded up to a multiple of 64 (attention reads the whole cache:
+    use the capacity your sampler runs with).
     """
     ks = tuple(int(k) for k in ks)
     if not ks or min(ks) < 1:
