@@ -5,6 +5,7 @@ from specjax.sampling.autoregressive import autoregressive_sample, make_autoregr
 from specjax.sampling.common import SampleOutput, check_same_tokenizer
 from specjax.sampling.emit import PAD_ID
 from specjax.sampling.guards import NonFiniteLogitsError
+from specjax.sampling.ngram import NGramDraft, ngram_tree_paths
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
 from specjax.sampling.transforms import (
     SamplingConfig,
@@ -23,6 +24,7 @@ __all__ = [
     'Acceptance',
     'DynamicTree',
     'as_acceptance',
+    'NGramDraft',
     'NonFiniteLogitsError',
     'PAD_ID',
     'SampleOutput',
@@ -32,6 +34,7 @@ __all__ = [
     'chain',
     'check_tree',
     'make_tree_speculative_fn',
+    'ngram_tree_paths',
     'tree_speculative_sample',
     'check_same_tokenizer',
     'inverse_cdf',

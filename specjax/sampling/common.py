@@ -12,7 +12,13 @@ import numpy as np
 from flax import struct
 from flax.nnx import graphlib
 
-from specjax.models import FeatureDraftConfig, TransformerConfig, apply_cached, check_capacity
+from specjax.models import (
+    FeatureDraftConfig,
+    KVCache,
+    TransformerConfig,
+    apply_cached,
+    check_capacity,
+)
 from specjax.parallel import (
     DEFAULT_RULES,
     batch_sharding,
@@ -333,8 +339,10 @@ def _pinned_output(core, batch_spec, rep, *args) -> SampleOutput:
 
 
 def shard_caches(mesh, caches_and_rules):
-    """Each (cache, rules) pinned to its layout inside jit (see parallel.constrain_cache)."""
-    return tuple(constrain_cache(c, mesh, r) for c, r in caches_and_rules)
+    """Each (cache, rules) pinned to its layout inside jit (see parallel.constrain_cache); a
+    drafter state that is not a KVCache (an n-gram draft's context) is left as it is."""
+    pin = lambda c, r: constrain_cache(c, mesh, r) if isinstance(c, KVCache) else c
+    return tuple(pin(c, r) for c, r in caches_and_rules)
 
 
 def draft_catch_up(dgd, dparams, cache, last_B, prev_B, pending_B, active_B, to_draft=None):

@@ -23,8 +23,12 @@ features would hold (tests/test_feature_sampling.py checks this). In a token tre
 fed with its parent's output state (`level`), and the accepted path (root and path nodes, with
 the target's features of the positions the tree call scored) is the next catch-up's feed.
 
-Both drafters are static (hashable) parts of a compiled sampler. A draft is only a proposal
-distribution q: neither changes the sampler's output law.
+N-gram draft (`specjax.sampling.ngram.NGramDrafter`, an `NGramDraft`): no model; proposals
+looked up in the context, a point-mass q.
+
+Every drafter is a static (hashable) part of a compiled sampler, with the same methods
+(`new_cache`, `init`, `propose`, `target_call`, `after_round`, ...). A draft is only a proposal
+distribution q: none changes the sampler's output law.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import jax.numpy as jnp
 from flax import struct
 from flax.nnx import graphlib
 
-from specjax.models import apply_cached, merge
+from specjax.models import apply_cached, init_cache, merge, split
 from specjax.models.feature_draft import FeatureDraftConfig
-from specjax.sampling import common
+from specjax.sampling import common, proposals
+from specjax.sampling.ngram import NGramDrafter, is_ngram
 
 
 @struct.dataclass
@@ -58,9 +63,23 @@ def feature_config_of(graphdef) -> FeatureDraftConfig | None:
     return None
 
 
+def split_draft(draft):
+    """(graphdef, params) of a draft model; an NGramDraft is its own graphdef, with no params."""
+    return (draft, ()) if is_ngram(draft) else split(draft)
+
+
+def draft_vocab_size(draft_graphdef, target_vocab: int) -> int:
+    """The draft's vocabulary (an n-gram draft proposes target ids)."""
+    if is_ngram(draft_graphdef):
+        return target_vocab
+    return common.config_of(draft_graphdef).vocab_size
+
+
 def drafter_for(target_graphdef, draft_graphdef, who: str):
-    """TokenDrafter() or FeatureDrafter(...) for this pair; ValueError (before compiling) when a
-    feature draft was built for another target (width, blocks or vocabulary)."""
+    """TokenDrafter(), FeatureDrafter(...) or NGramDrafter(...) for this pair; ValueError (before
+    compiling) when a feature draft was built for another target (width, blocks or vocabulary)."""
+    if is_ngram(draft_graphdef):
+        return NGramDrafter(draft_graphdef)
     feature = feature_config_of(draft_graphdef)
     if feature is None:
         return TokenDrafter()
@@ -85,8 +104,21 @@ def target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=(),
     return apply_cached(*args, feature_layers=feature_layers)
 
 
+class _ModelDrafter:
+    """What the model drafts share: a KV cache of the draft's config, proposals drawn from its
+    logits (specjax.sampling.proposals), k proposals a round unless confidence-stopped."""
+
+    variable_length = False
+
+    def new_cache(self, dgd, batch: int, capacity: int):
+        return init_cache(common.config_of(dgd), batch, capacity)
+
+    def propose(self, dgd, dparams, state, uniform_BK, active, **kw):
+        return proposals.propose(self, dgd, dparams, state, uniform_BK, active, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
-class TokenDrafter:
+class TokenDrafter(_ModelDrafter):
     """A Transformer draft over draft ids (vocab.to_draft maps the target ids it reads)."""
 
     feature_layers: tuple[int, ...] = ()
@@ -150,7 +182,7 @@ class TokenDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class FeatureDrafter:
+class FeatureDrafter(_ModelDrafter):
     """A FeatureDraft reading the target blocks `feature_layers` (module docstring)."""
 
     feature_layers: tuple[int, ...]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models import KVCache, init_cache, split
-from specjax.sampling import common, drafters, emit, guards, proposals
+from specjax.sampling import common, drafters, emit, guards, proposals, widths
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -36,7 +36,10 @@ from specjax.sampling.verify import stop_at, take_position, verify, verify_greed
 
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
 # exactness tests can show their statistics reject them (negative controls).
-_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal')
+_BUGS = (
+    None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal',
+    'ngram_soft_q',
+)  # fmt: skip
 
 
 @struct.dataclass
@@ -110,7 +113,7 @@ def speculative_sample(
     specjax.sampling.proposals); the output law is unchanged.
     """
     target_graphdef, target_params = split(target)
-    draft_graphdef, draft_params = split(draft)
+    draft_graphdef, draft_params = drafters.split_draft(draft)
     fn = make_speculative_fn(
         target_graphdef,
         draft_graphdef,
@@ -165,7 +168,7 @@ def make_speculative_fn(
     common.check_sampling(sampling)
     drafter = drafters.drafter_for(target_graphdef, draft_graphdef, 'speculative_sample')
     t_vocab = common.config_of(target_graphdef).vocab_size
-    d_vocab = common.config_of(draft_graphdef).vocab_size
+    d_vocab = drafters.draft_vocab_size(draft_graphdef, t_vocab)
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
     acc = as_acceptance(acceptance)
@@ -197,10 +200,17 @@ def _cached_fn(
     target_graphdef, draft_graphdef, k, max_new, mesh, rules, draft_rules, acc, vocab, bug,
     check_finite, drafter, stop_below,
 ):  # fmt: skip
+    draft_model = None if isinstance(drafter, drafters.NGramDrafter) else draft_graphdef
+    models = (
+        ('target', target_graphdef, rules, 'rules'),
+        ('draft', draft_model, draft_rules, 'draft_rules'),
+    )
+
     def check(width):
-        for name, graphdef in (('target', target_graphdef), ('draft', draft_graphdef)):
-            cfg = common.config_of(graphdef)
-            common.check_fits(cfg, width, max_new, k + 1, f'speculative_sample {name}')
+        for name, graphdef, _, _ in models:
+            if graphdef is not None:
+                cfg = common.config_of(graphdef)
+                common.check_fits(cfg, width, max_new, k + 1, f'speculative_sample {name}')
 
     core = functools.partial(
         _speculative_core,
@@ -215,10 +225,6 @@ def _cached_fn(
         check_finite=check_finite,
         drafter=drafter,
         stop_below=stop_below,
-    )
-    models = (
-        ('target', target_graphdef, rules, 'rules'),
-        ('draft', draft_graphdef, draft_rules, 'draft_rules'),
     )
     return common.ShardedSampler(
         core, mesh, rules, check, models, takes_values=True, name='speculative_sample',
@@ -245,7 +251,7 @@ def _speculative_core(
     return common.SampleOutput(
         tokens=emit.finish_tokens(state.out, state.emitted, max_new),
         lengths=state.emitted,
-        stats=_stats(state, k),
+        stats=_stats(state, k, draft_model=not drafter.variable_length),
     )
 
 
@@ -262,7 +268,7 @@ def initial_state(
     mesh, rules, draft_rules = layout
     tcache, dcache = common.shard_caches(mesh, (
         (init_cache(common.config_of(tgd), batch, capacity), rules),
-        (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
+        (drafter.new_cache(dgd, batch, capacity), draft_rules),
     ))  # fmt: skip
     _, tcache, features = drafter.target_call(tgd, tparams, prompts, prompt_lengths - 1, tcache)
     dcache, dfeed = drafter.init(dgd, dparams, dcache, prompts, prompt_lengths, vocab, features, k)
@@ -287,17 +293,23 @@ def _round(
     # One draw per round; its disjoint slices are independent streams for the draft samples,
     # the acceptance tests and the residual/bonus draw.
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
-    x_BK, q_BKV, m, fed, dcarry, draft_bad = proposals.propose(
-        drafter, dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
+    x_BK, q_BKV, m, fed, dcarry, draft_bad = drafter.propose(
+        dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
         vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below,
     )  # fmt: skip
 
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
-    logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
+    variable = stop_below is not None or drafter.variable_length  # rows propose m <= k
+    if variable:  # the narrowest verification that holds every row's proposals
+        logits, tcache, features = widths.scored_call(
+            drafter, tgd, tparams, tokens, m, active, state.tcache
+        )
+    else:
+        logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
     greedy = is_greedy(sampling)
 
     def stopped(verified, bonus):  # rows that proposed m < k: bonus(p_{m+1} [B, V]) [B]
-        if stop_below is None:
+        if not variable:
             return verified
         return stop_at(*verified, m, bonus(take_position(logits, m)))
 
@@ -307,7 +319,7 @@ def _round(
 
     def test(logits):  # the acceptance rule on the transformed p and q
         p_BKV = transform_logits(logits, sampling)
-        if bug in (None, 'stop_drops_proposal'):
+        if bug in (None, 'stop_drops_proposal', 'ngram_soft_q'):
             verified = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
             draw = lambda lg: inverse_cdf(transform_logits(lg, sampling), noise[:, -1])
             return stopped(verified, draw)
@@ -361,8 +373,9 @@ def _round(
     )
 
 
-def _stats(state, k):
-    """Per-row counts and their totals (sums over rows); see `SampleOutput` for the names."""
+def _stats(state, k, draft_model=True):
+    """Per-row counts and their totals (sums over rows); see `SampleOutput` for the names. A
+    draft without a model (n-gram) makes no draft calls."""
     rounds = state.row_rounds
     rows = dict(
         row_examined_per_position=state.row_examined_per_position,
@@ -373,7 +386,7 @@ def _stats(state, k):
         row_emitted=state.emitted,
         row_rounds=rounds,
         row_target_calls=rounds + 1,
-        row_draft_calls=state.row_drafted + 1,
+        row_draft_calls=(state.row_drafted + 1) * int(draft_model),
     )
     totals = {name[4:]: value.sum(0) for name, value in rows.items()}
     flags = {name: getattr(state, name) for name in guards.FLAG_STATS}

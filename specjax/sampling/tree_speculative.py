@@ -31,6 +31,7 @@ import numpy as np
 from specjax.models import init_cache, split
 from specjax.sampling import common, drafters, emit, guards
 from specjax.sampling import dynamic_tree as dyn
+from specjax.sampling import ngram as ng
 from specjax.sampling import siblings as sib
 from specjax.sampling import tree as tr
 from specjax.sampling.acceptance import as_acceptance
@@ -66,13 +67,14 @@ def tree_speculative_sample(
     sampling) or 'iid'. `acceptance`: an exact rule of TREE_RULES (None: `probabilistic` for a
     static tree, `argmax_draft` for a dynamic one, whose candidates are not sampled).
     """
+    (tgd, tparams), (dgd, dparams) = split(target), drafters.split_draft(draft)
     fn = make_tree_speculative_fn(
-        split(target)[0], split(draft)[0], tree=tree, max_new_tokens=max_new_tokens,
+        tgd, dgd, tree=tree, max_new_tokens=max_new_tokens,
         sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules, draft_rules=draft_rules,
         check_finite=check_finite, siblings=siblings, acceptance=acceptance,
         draft_vocab_ids=draft_vocab_ids,
     )  # fmt: skip
-    return fn(split(target)[1], split(draft)[1], prompts, prompt_lengths, rng)
+    return fn(tparams, dparams, prompts, prompt_lengths, rng)
 
 
 def make_tree_speculative_fn(
@@ -87,10 +89,16 @@ def make_tree_speculative_fn(
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
     common.check_sampling(sampling)
     t_vocab = common.config_of(target_graphdef).vocab_size
-    d_vocab = common.config_of(draft_graphdef).vocab_size
+    d_vocab = drafters.draft_vocab_size(draft_graphdef, t_vocab)
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
-    rule = _check_rule(acceptance, dynamic)
+    ngram = ng.is_ngram(draft_graphdef)
+    if ngram:
+        if dynamic:
+            raise ValueError('tree_speculative_sample: an n-gram draft fills static trees only '
+                             '(ngram_tree_paths(branches, depth)), got a DynamicTree')  # fmt: skip
+        ng.check_tree(tree, 'tree_speculative_sample')
+    rule = _check_rule(acceptance, dynamic or ngram)
     bugs = (None, 'ratio_test') if dynamic else _BUGS[:-1]
     if _bug not in bugs:
         raise ValueError(f'_bug must be one of {bugs} for this tree, got {_bug!r}')
@@ -117,7 +125,8 @@ def _check_rule(acceptance, dynamic: bool) -> str:
     allowed = TREE_RULES[1:] if dynamic else TREE_RULES
     if rule not in allowed:
         why = (
-            "a dynamic tree's candidates are the draft's top-ranked tokens, not samples of q"
+            "a dynamic tree's (or an n-gram draft's) candidates are chosen by the draft, not "
+            'samples of q'
             if dynamic and rule == 'probabilistic'
             else 'lossy rules verify chains only (speculative_sample)'
         )
@@ -125,12 +134,14 @@ def _check_rule(acceptance, dynamic: bool) -> str:
     return rule
 
 
-def _sizes(tree) -> tuple[int, int, int]:
-    """(N nodes verified, depth D, F nodes the draft feeds) of a static or dynamic tree."""
+def _sizes(tree, drafter=None) -> tuple[int, int, int]:
+    """(N nodes verified, depth D, F nodes the draft feeds) of a static or dynamic tree (an
+    n-gram draft feeds none)."""
     if isinstance(tree, tr.DynamicTree):
         return tree.nodes, tree.depth, tree.num_fed
     t = tr.tables(tree)
-    return t.num_nodes, t.max_depth, t.num_fed
+    fed = 0 if isinstance(drafter, ng.NGramDrafter) else t.num_fed
+    return t.num_nodes, t.max_depth, fed
 
 
 @functools.lru_cache(maxsize=64)
@@ -138,10 +149,15 @@ def _cached_fn(
     tgd, dgd, tree, max_new, sampling, eos_id, mesh, rules, draft_rules, bug, check, siblings,
     rule, vocab, drafter,
 ):  # fmt: skip
-    n, _, fed = _sizes(tree)
+    n, _, fed = _sizes(tree, drafter)
+    ngram = isinstance(drafter, ng.NGramDrafter)
+    models = (('target', tgd, rules, 'rules'), ('draft', None if ngram else dgd, draft_rules,
+                                                'draft_rules'))  # fmt: skip
 
     def fits(width):
-        for name, graphdef in (('target', tgd), ('draft', dgd)):
+        for name, graphdef, _, _ in models:
+            if graphdef is None:
+                continue
             cfg = common.config_of(graphdef)
             who = f'tree_speculative_sample {name} ({n}-node tree)'
             common.check_fits(cfg, width, max_new, max(n, fed) + 1, who)
@@ -151,7 +167,6 @@ def _cached_fn(
         bug=bug, layout=(mesh, rules, draft_rules), check_finite=check, siblings=siblings,
         rule=rule, vocab=vocab, drafter=drafter,
     )  # fmt: skip
-    models = (('target', tgd, rules, 'rules'), ('draft', dgd, draft_rules, 'draft_rules'))
     return common.ShardedSampler(core, mesh, rules, fits, models, name='tree_speculative_sample')
 
 
@@ -159,14 +174,14 @@ def _tree_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, vocab, drafter,
     **kw,
 ):  # fmt: skip
-    n, depth, fed = _sizes(tree)
+    n, depth, fed = _sizes(tree, drafter)
     batch, width = prompts.shape
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     capacity = width + kw['max_new'] + max(n, fed) + 1
     mesh, rules, draft_rules = layout
     tcache, dcache = common.shard_caches(mesh, (
         (init_cache(common.config_of(tgd), batch, capacity), rules),
-        (init_cache(common.config_of(dgd), batch, capacity), draft_rules),
+        (drafter.new_cache(dgd, batch, capacity), draft_rules),
     ))  # fmt: skip
     _, tcache, features = drafter.target_call(tgd, tparams, prompts, prompt_lengths - 1, tcache)
     dcache, dfeed = drafter.init(dgd, dparams, dcache, prompts, prompt_lengths, vocab, features,
@@ -185,7 +200,13 @@ def _tree_core(
     opts = dict(
         sampling=kw['sampling'], vocab=vocab, check_finite=kw['check_finite'], drafter=drafter
     )
-    if isinstance(tree, tr.DynamicTree):
+    if isinstance(drafter, ng.NGramDrafter):
+        t = tr.tables(tree)
+        branches = ng.check_tree(tree, 'tree_speculative_sample')
+        draft_fn = lambda dparams, state, _, active: (
+            drafter.draft_tree(state, active, t=t, branches=branches), state.dcache, False
+        )  # fmt: skip
+    elif isinstance(tree, tr.DynamicTree):
         draft_fn = lambda dparams, state, _, active: dyn.draft_dynamic(
             dgd, dparams, state, active, spec=tree, keep_q=keep_q, **opts
         )  # fmt: skip
