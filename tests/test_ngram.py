@@ -110,7 +110,8 @@ def test_chain_matches_target_distribution(setting):
     out, rejected, tv = _run(fn, sampling, k + 2)
     assert not rejected, (setting, rejected, tv)
     s = {name: np.asarray(v) for name, v in out.stats.items()}
-    assert np.isin(s['row_drafted'] % k, 0).all() and (s['row_drafted'] <= k * s['row_rounds']).all()
+    assert (s['row_drafted'] % k == 0).all()  # k proposals a round, or none
+    assert (s['row_drafted'] <= k * s['row_rounds']).all()
     assert (s['row_draft_calls'] == 0).all()  # no model: no draft calls
     accepted, examined = int(out.stats['accepted']), int(out.stats['examined'])
     assert 0.1 < accepted / examined < 0.9  # both branches exercised
@@ -118,8 +119,10 @@ def test_chain_matches_target_distribution(setting):
 
 def test_soft_q_negative_control_is_rejected():
     sampling, k = CHAIN_SETTINGS['t1']
-    fn = make_speculative_fn(split(TARGET)[0], DRAFT, num_draft_tokens=k,
-                             max_new_tokens=k + 2, sampling=sampling, _bug='ngram_soft_q')  # fmt: skip
+    fn = make_speculative_fn(
+        split(TARGET)[0], DRAFT, num_draft_tokens=k, max_new_tokens=k + 2, sampling=sampling,
+        _bug='ngram_soft_q',
+    )  # fmt: skip
     _, rejected, tv = _run(fn, sampling, k + 2)
     assert rejected, tv
 
