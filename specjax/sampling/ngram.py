@@ -52,9 +52,7 @@ class NGramDraft:
                 raise ValueError(f'NGramDraft.{name} must be an int >= 1, got {v!r}')
             object.__setattr__(self, name, int(v))
         if self.min_n > self.max_n:
-            raise ValueError(
-                f'NGramDraft.min_n={self.min_n} must not exceed max_n={self.max_n}'
-            )
+            raise ValueError(f'NGramDraft.min_n={self.min_n} must not exceed max_n={self.max_n}')
 
 
 def is_ngram(draft) -> bool:

@@ -46,4 +46,3 @@ def scored_call(drafter, tgd, tparams, tokens_BK1, m_B, active_B, tcache):
     if len(widths) == 1:
         return call(k1)(tcache)
     return jax.lax.switch(jnp.minimum(index, len(widths) - 1), [call(w) for w in widths], tcache)
-
