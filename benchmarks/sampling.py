@@ -40,7 +40,12 @@ def bench_speculative(
     import numpy as np
 
     from specjax.models import split
-    from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
+    from specjax.sampling import (
+        SamplingConfig,
+        make_autoregressive_fn,
+        make_speculative_fn,
+        rescore,
+    )
     from specjax.sampling import stats as st
     from specjax.sampling.calibrate import interleaved_times, timed_call
 
@@ -85,7 +90,7 @@ def bench_speculative(
     for (name, k), out in outputs.items():
         draft = drafts[name]
         cal = cals[name]
-        alpha, mask = st.alpha_of_sequences(
+        alpha, mask = rescore.alpha_of_sequences(
             target, draft, prompts, lengths, out.tokens, out.lengths, sampling
         )
         totals = st.reduce_rows(st.row_table(out.stats, emitted=out.lengths))

@@ -65,6 +65,12 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.draft_workdir = ''  # draft's workdir (its checkpoints/), when random_init is False
     c.draft_params_key = 'params'  # state key of the draft's params ('draft_params' if co-trained)
     c.draft_config_key = 'model_config'  # metadata key of the draft's TransformerConfig
+    # 'model': the draft is a model (draft_workdir, or config.draft when random_init); 'ngram':
+    # the training-free prompt-lookup draft (specjax.sampling.NGramDraft), no draft_workdir
+    c.draft_kind = 'model'
+    c.ngram = ml_collections.ConfigDict()
+    c.ngram.max_n = 3  # the longest n-gram matched against the context (longest first)
+    c.ngram.min_n = 1  # the shortest
 
     c.data = default_data_config()  # validation split supplies the prompts; tokenizer must match
     c.model = _model(256, 4, 4, 704, c.data.get_ref('vocab_size'), 256)  # random-init target

@@ -70,6 +70,9 @@ DEFAULT_VALUED_FIELDS = {
     'scan_layers': False,  # model.scan_layers, draft.scan_layers (parameter layout)
     'dynamic_greedy': False,  # eval.dynamic_greedy (spec_eval: greedy's own programs)
     'rows': 'teacher',  # draft_feature.rows (the SmolLM2 preset's feature draft's row sets)
+    'draft_kind': 'model',  # spec_eval's draft: a model, or 'ngram' (training-free lookup)
+    'max_n': 3,  # ngram.max_n, ngram.min_n (spec_eval's n-gram draft)
+    'min_n': 1,
 }
 
 

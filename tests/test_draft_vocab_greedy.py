@@ -19,8 +19,7 @@ from flax import nnx
 from sampling_models import perturbed, ragged_prompts
 
 from specjax.models import Transformer, TransformerConfig, apply, split
-from specjax.sampling import SamplingConfig, autoregressive_sample, speculative_sample
-from specjax.sampling import stats as st
+from specjax.sampling import SamplingConfig, autoregressive_sample, rescore, speculative_sample
 
 V, MAX_NEW, KS = 32, 12, (1, 3)
 IDS = np.random.default_rng(0).permutation(V)[:20].astype(np.int32)  # N = 20, not sorted
@@ -141,7 +140,7 @@ def test_greedy_alpha_of_sequences_is_argmax_agreement_through_the_ids(models, r
     n = np.full((len(gen),), MAX_NEW, np.int32)
     for draft in drafts.values():
         pred = _greedy_predictions(draft, prompts, lengths, gen, lambda x: IDS[x])[:, :MAX_NEW]
-        alpha, mask = st.alpha_of_sequences(
+        alpha, mask = rescore.alpha_of_sequences(
             target, draft, prompts, lengths, gen[:, :MAX_NEW], n, GREEDY, IDS
         )
         assert mask.all()

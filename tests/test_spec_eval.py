@@ -128,6 +128,22 @@ def test_spec_eval_end_to_end_writes_json(toy_dir, tmp_path):
     assert result['optimal_k']['T=0']['predicted_optimal_k'] == 2
 
 
+def test_spec_eval_with_the_ngram_draft(toy_dir, tmp_path):
+    """draft_kind 'ngram': no draft model (c = 0, no draft workdir), the same runs and tables;
+    greedy outputs equal the target's, alpha counts only positions where the lookup proposes."""
+    c = _tiny_config(toy_dir)
+    c.draft_kind = 'ngram'
+    c.ngram.max_n, c.ngram.min_n = 2, 1
+    result = spec_eval.run(c, str(tmp_path))
+    assert result['calibration']['c'] == 0.0 and result['models']['draft']['kind'] == 'ngram'
+    greedy = {r['method']: r for r in result['runs'] if r['sampling_label'] == 'T=0'}
+    assert greedy['speculative']['drafted'] >= greedy['speculative']['examined'] > 0
+    assert 0.0 <= greedy['autoregressive']['alpha'] <= 1.0
+    c.ngram.min_n = 3
+    with pytest.raises(ValueError, match='config.ngram: NGramDraft.min_n=3 must not exceed'):
+        spec_eval.run(c, str(tmp_path / 'bad'))
+
+
 def test_identity_and_vocab_mismatches_raise(toy_dir, tmp_path):
     ident = ByteTokenizer().identity()
     other = dict(ident, hash='0' * 16)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from specjax.sampling import rescore
 from specjax.sampling import stats as st
 
 
@@ -160,7 +161,7 @@ def test_acceptance_rate_matches_alpha_at_examined_positions(temperature, top_k)
         sampling=sampling,
         rng=jax.random.key(1),
     )
-    alpha, mask = st.alpha_of_sequences(
+    alpha, mask = rescore.alpha_of_sequences(
         target, draft, prompts, lengths, out.tokens, out.lengths, sampling
     )
     stats = jax.device_get(out.stats)

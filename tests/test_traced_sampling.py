@@ -20,6 +20,7 @@ from specjax.sampling import (
     common,
     make_autoregressive_fn,
     make_speculative_fn,
+    rescore,
     transform_logits,
 )
 from specjax.sampling import stats as st
@@ -165,11 +166,11 @@ def test_alpha_of_sequences_compiles_once_for_every_setting(pair):
     _, _, prompts, lengths = pair
     tokens = np.arange(BATCH * MAX_NEW).reshape(BATCH, MAX_NEW) % 17
     gen = np.full(BATCH, MAX_NEW, np.int32)
-    before = st._alpha_of_sequences._cache_size()
+    before = rescore._alpha_of_sequences._cache_size()
     alpha = {
-        s: st.alpha_of_sequences(target, draft, prompts, lengths, tokens, gen, s)[0]
+        s: rescore.alpha_of_sequences(target, draft, prompts, lengths, tokens, gen, s)[0]
         for s in (T0, T07, TOP_P)
     }
-    assert st._alpha_of_sequences._cache_size() == before + 1
+    assert rescore._alpha_of_sequences._cache_size() == before + 1
     assert set(np.unique(alpha[T0])) <= {0.0, 1.0}  # argmax agreement at T = 0 ...
     assert not np.array_equal(alpha[T07], alpha[TOP_P])  # ... and each setting's own alpha

@@ -13,6 +13,7 @@ from specjax.distill.feature_mode import CONFIG_KEY as FEATURE_CONFIG_KEY
 from specjax.distill.feature_mode import load_feature_draft
 from specjax.models import FeatureDraft, FeatureDraftConfig, Transformer, TransformerConfig
 from specjax.parallel.mesh import mesh_rules
+from specjax.sampling import NGramDraft
 
 
 def check_identities(
@@ -63,9 +64,30 @@ def draft_vocab_ids(workdir: str) -> list[int] | None:
     return [int(i) for i in json.loads(path.read_text())['ids']]
 
 
+DRAFT_KINDS = ('model', 'ngram')
+
+
+def ngram_draft(config) -> NGramDraft | None:
+    """config.draft_kind 'ngram': the training-free NGramDraft of config.ngram; 'model' (or an
+    older config without the field): None. ValueError naming the field otherwise."""
+    kind = config.get('draft_kind', 'model')
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f'config.draft_kind={kind!r} must be one of {DRAFT_KINDS}')
+    if kind == 'model':
+        return None
+    try:
+        return NGramDraft(int(config.ngram.max_n), int(config.ngram.min_n))
+    except ValueError as e:
+        raise ValueError(f'config.ngram: {e}') from None
+
+
 def load_models(config, tok, mesh) -> tuple[Transformer, Transformer | FeatureDraft, dict]:
     """(target, draft, info): from checkpoints, or random-init when config.random_init. A
-    draft_workdir of mode feature_draft gives a FeatureDraft (specjax.distill.feature_mode)."""
+    draft_workdir of mode feature_draft gives a FeatureDraft (specjax.distill.feature_mode);
+    config.draft_kind 'ngram' gives the training-free NGramDraft (no draft_workdir)."""
+    ngram = ngram_draft(config)
+    if ngram is not None:
+        return _load_with_ngram(config, tok, mesh, ngram)
     if config.random_init:
         t_cfg = TransformerConfig.from_dict(config.model)
         d_cfg = TransformerConfig.from_dict(config.draft)
@@ -128,6 +150,42 @@ def load_models(config, tok, mesh) -> tuple[Transformer, Transformer | FeatureDr
         draft=dict(draft.config.to_dict(), num_params=num_params(draft)),
     )
     return target, draft, info
+
+
+def _load_with_ngram(config, tok, mesh, ngram: NGramDraft):
+    """(target, NGramDraft, info): the target from its checkpoint (or random init)."""
+    if config.random_init:
+        target = Transformer(TransformerConfig.from_dict(config.model), rngs=nnx.Rngs(config.seed))
+        info = {'source': 'random_init'}
+    else:
+        from specjax.checkpoint import load_model
+
+        if not config.get('target_workdir'):
+            raise ValueError('config.target_workdir is empty; set it or config.random_init=True')
+        target, t_meta = load_model(
+            config.target_workdir, mesh=mesh, rules=mesh_rules(config.mesh)[0]
+        )
+        ident = t_meta.get('tokenizer')
+        if ident and dict(tok.identity()) != dict(ident):
+            raise ValueError(
+                f'config.data builds tokenizer {dict(tok.identity())!r} but the target was '
+                f"trained with {ident!r}: set config.data to the checkpoint's data settings"
+            )
+        info = {
+            'source': 'checkpoints',
+            'target_workdir': config.target_workdir,
+            'target_step': t_meta.get('step'),
+        }
+    if target.config.vocab_size != tok.vocab_size:
+        raise ValueError(
+            f"target vocab_size={target.config.vocab_size} differs from the tokenizer's "
+            f'vocab_size={tok.vocab_size}'
+        )
+    info.update(
+        target=dict(target.config.to_dict(), num_params=target.config.num_params),
+        draft=dict(kind='ngram', max_n=ngram.max_n, min_n=ngram.min_n, num_params=0),
+    )
+    return target, ngram, info
 
 
 def num_params(model) -> int:

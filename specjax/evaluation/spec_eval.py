@@ -31,7 +31,7 @@ from specjax import jsonio
 from specjax import workdir as workdir_lib
 from specjax.data import build_tokenizer
 from specjax.evaluation import intervals, measure
-from specjax.evaluation.pairs import FEATURE_CONFIG_KEY, draft_vocab_ids, load_models
+from specjax.evaluation.pairs import FEATURE_CONFIG_KEY, draft_vocab_ids, load_models, ngram_draft
 from specjax.evaluation.prompts import make_prompts
 from specjax.evaluation.spec_eval_sampling import BUCKET_KEYS, acceptance, evaluate_sampling
 from specjax.evaluation.spec_eval_summary import headline, table_markdown
@@ -41,6 +41,7 @@ from specjax.parallel import is_main_process, make_mesh
 from specjax.parallel.mesh import mesh_rules
 from specjax.sampling import SamplingConfig
 from specjax.sampling.calibrate import calibrate
+from specjax.sampling.drafters import split_draft
 
 
 def _check_ks(ks, where: str) -> tuple[int, ...]:
@@ -85,17 +86,17 @@ def model_max_lens(config) -> dict[str, tuple[int, str]]:
     """{'target'|'draft': (max_len, where it comes from)}, read from configs or checkpoint metadata
     (no weights loaded)."""
     if config.random_init:
-        return {
-            'target': (int(config.model.max_len), 'config.model.max_len'),
-            'draft': (int(config.draft.max_len), 'config.draft.max_len'),
-        }
+        out = {'target': (int(config.model.max_len), 'config.model.max_len')}
+        if ngram_draft(config) is None:
+            out['draft'] = (int(config.draft.max_len), 'config.draft.max_len')
+        return out
     from specjax.checkpoint import Checkpoints
 
     out = {}
-    for name, field, key in (
-        ('target', 'target_workdir', 'model_config'),
-        ('draft', 'draft_workdir', config.draft_config_key),
-    ):
+    models = [('target', 'target_workdir', 'model_config')]
+    if ngram_draft(config) is None:  # an n-gram draft has no max_len
+        models.append(('draft', 'draft_workdir', config.draft_config_key))
+    for name, field, key in models:
         if not config.get(field):
             raise ValueError(f'config.{field} is empty; set it or config.random_init=True')
         ckpts = Checkpoints(config[field], read_only=True)
@@ -152,7 +153,7 @@ def _run(config, workdir, ev, samplings, ks, started) -> dict:
     width, max_new = prompts.tokens.shape[1], int(ev.max_new_tokens)
     eos_id = tok.eos_id if ev.stop_at_eos else None
     t_graphdef, t_params = split(target)
-    d_graphdef, d_params = split(draft)
+    d_graphdef, d_params = split_draft(draft)
     ids = None if config.random_init else draft_vocab_ids(config.draft_workdir)
 
     cal = calibrate(

@@ -31,6 +31,7 @@ from specjax.sampling import (
     make_autoregressive_fn,
     make_speculative_fn,
     pair_eval,
+    rescore,
 )
 from specjax.sampling import stats as st
 
@@ -133,7 +134,7 @@ def _alpha_columns(
     alpha_count = np.zeros(len(prompts), np.int64)
     for (rows, tokens, lengths), (_, out) in zip(prompts.batches(batch_size), outputs):
         # Whole (padded) batches: one compile for every batch.
-        alpha, mask = st.alpha_of_sequences(
+        alpha, mask = rescore.alpha_of_sequences(
             target, draft, tokens, lengths, out.tokens, out.lengths, sampling, vocab_ids, acc
         )
         n = len(rows)

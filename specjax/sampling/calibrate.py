@@ -28,6 +28,7 @@ import numpy as np
 from specjax.models import Transformer, apply_cached, check_capacity, init_cache, merge, split
 from specjax.sampling import aot, drafters
 from specjax.sampling import common as sampling_common
+from specjax.sampling.ngram import is_ngram
 
 
 @dataclasses.dataclass
@@ -186,7 +187,8 @@ def calibrate(
     repeats: int = 5,
     draft_vocab_ids=None,
 ) -> Calibration:
-    """Measures target/draft single-step times and (k+1)-token verification times.
+    """Measures target/draft single-step times and (k+1)-token verification times (an
+    NGramDraft has no draft step: c = 0).
 
     Its programs compile side by side (`compiled_calls`), then all calls are timed round-robin
     (`interleaved_times`); c and v(k) are medians of the per-repeat ratios, which shrugs off
@@ -197,7 +199,10 @@ def calibrate(
     ks = tuple(int(k) for k in ks)
     if not ks or min(ks) < 1:
         raise ValueError(f'calibrate: ks must be non-empty positive ints, got {ks}')
-    if draft_vocab_ids is not None:  # a reduced-vocabulary draft: only the mapping must hold
+    ngram = is_ngram(draft)  # no draft model: c = 0 (a lookup, no draft step)
+    if ngram:
+        pass
+    elif draft_vocab_ids is not None:  # a reduced-vocabulary draft: only the mapping must hold
         from specjax.sampling.draft_vocab import check_draft_vocab
 
         check_draft_vocab(draft_vocab_ids, target.config.vocab_size, draft.config.vocab_size)
@@ -209,10 +214,9 @@ def calibrate(
     if capacity is None:
         capacity = -(-(context_len + max(ks) + 1) // 64) * 64
     common = (context_len, capacity, iters)
-    parts = {
-        'target': _loop_call(target, batch_size, 1, *common),
-        'draft': _loop_call(draft, batch_size, 1, *common),
-    }
+    parts = {'target': _loop_call(target, batch_size, 1, *common)}
+    if not ngram:
+        parts['draft'] = _loop_call(draft, batch_size, 1, *common)
     parts.update({k: _loop_call(target, batch_size, k + 1, *common) for k in ks})
     times = interleaved_times(compiled_calls(parts), repeats=repeats)
     target_t = np.asarray(times['target'])
@@ -223,7 +227,7 @@ def calibrate(
         context_len,
         capacity,
         target_step,
-        draft_step_s=ratio('draft') * target_step,
+        draft_step_s=0.0 if ngram else ratio('draft') * target_step,
         verify_s={k: ratio(k) * target_step for k in ks},
     )
 

@@ -1,0 +1,254 @@
+r"""Training-free drafting on SmolLM2-135M: specjax's n-gram draft, transformers' prompt lookup.
+
+Both systems load the bundled GGUF (the same dequantised float32 weights) and decode at batch 1
+the same prompts: stdlib code to continue (`code`) and chat prompts (SmolLM2's template) that ask
+to rewrite a stdlib function (`chat`). transformers: plain `generate` and prompt lookup
+(`prompt_lookup_num_tokens`, `max_matching_ngram_size`); specjax: `autoregressive_sample` and
+`speculative_sample` with an `NGramDraft` for each k of --ks (chains), and a tree of --branches
+chains at the first k. eos is ignored on both sides, so every run makes --max_new_tokens tokens.
+Each system's speedup is its lookup's tokens/s over its own plain decoding, measured in the same
+process, per domain. Prints one table; writes JSON (--out). Run on a quiet machine: ratios taken
+while other work runs are not comparable.
+
+  python -m benchmarks.prompt_lookup                       # both systems, ~6 minutes
+  python -m benchmarks.prompt_lookup --systems=specjax     # specjax alone, ~2 minutes
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import textwrap
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import cli
+from specjax import jsonio
+
+
+def parser():
+    p = cli.parser(__doc__, out='/tmp/specjax/prompt_lookup.json', compilation_cache=True)
+    p.add_argument('--systems', default='specjax,transformers', help='comma-separated')
+    p.add_argument('--ks', default='4,8', type=cli.ints, help='n-gram proposals per round')
+    p.add_argument('--branches', default=2, type=int, help='chains of the tree (0: no tree)')
+    p.add_argument('--max_n', default=3, type=int, help='longest n-gram matched (both systems)')
+    p.add_argument('--min_n', default=1, type=int, help="shortest n-gram matched (specjax's)")
+    p.add_argument('--hf_tokens', default=4, type=int, help='prompt_lookup_num_tokens')
+    p.add_argument('--max_new_tokens', default=96, type=int, help='tokens per prompt')
+    p.add_argument('--sampling', default='greedy,t1', help='greedy and/or t1')
+    p.add_argument('--prompts', default=4, type=int, help='prompts per domain')
+    return p
+
+
+SOURCES = ('textwrap.dedent', 'json.dumps', 'copy.deepcopy', 'shlex.split', 'fnmatch.translate')
+
+
+def _function(name: str):
+    module, attr = name.split('.')
+    return getattr(__import__(module), attr)
+
+
+def prompts(n: int) -> list[tuple[str, str | list]]:
+    """(domain, text or chat messages): `n` code prefixes and `n` rewrite requests."""
+    sources = [inspect.getsource(_function(s)) for s in SOURCES[:n]]
+    code = [('code', src[:600]) for src in sources]
+    asks = (
+        'Rewrite this function with clearer variable names',
+        'Add type hints to this function',
+        'Rewrite this function without changing its behaviour',
+        'Add comments to this function',
+    )
+    chat = [
+        (
+            'chat',
+            [
+                {
+                    'role': 'user',
+                    'content': f'{asks[i % len(asks)]}:\n\n```python\n'
+                    f'{textwrap.dedent(src)[:700]}\n```',
+                }
+            ],
+        )  # fmt: skip
+        for i, src in enumerate(sources)
+    ]
+    return code + chat
+
+
+def encode(tok, items) -> list[list[int]]:
+    out = []
+    for _, item in items:
+        if isinstance(item, list):
+            text = tok.apply_chat_template(item, add_generation_prompt=True)
+        else:
+            text = item
+        out.append([tok.bos_id, *tok.encode(text)])
+    return out
+
+
+def run_transformers(path, ids_list, new, args, settings) -> dict:
+    import torch
+    import transformers
+
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 2
+    calls = {'n': 0}
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__('n', calls['n'] + 1))
+    kw = {'greedy': dict(do_sample=False), 't1': dict(do_sample=True, temperature=1.0, top_k=0)}
+    lookup = dict(prompt_lookup_num_tokens=args.hf_tokens, max_matching_ngram_size=args.max_n)
+    results = {}
+    for label in settings:
+        for method, extra in (('plain', {}), ('lookup', lookup)):
+            torch.manual_seed(0)
+            for i, ids in enumerate(ids_list):
+                calls['n'] = 0
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([ids]), max_new_tokens=new,
+                                         min_new_tokens=new, **kw[label], **extra)  # fmt: skip
+                seconds = time.perf_counter() - start
+                toks = out[0, len(ids) :].numpy()
+                results[('transformers', method, label, i)] = dict(
+                    seconds=seconds, tokens=toks, target_calls=calls['n']
+                )
+            print(f'transformers {method} {label} done', flush=True)
+    return results
+
+
+def run_specjax(target, ids_list, new, args, settings) -> dict:
+    from specjax.evaluation.measure import compile_samplers
+    from specjax.models import split
+    from specjax.sampling import (
+        NGramDraft,
+        SamplingConfig,
+        make_autoregressive_fn,
+        make_speculative_fn,
+        make_tree_speculative_fn,
+        ngram_tree_paths,
+    )
+
+    tgd, tparams = split(target)
+    draft = NGramDraft(args.max_n, args.min_n)
+    width = max(map(len, ids_list))
+    sampling = {'greedy': SamplingConfig(0.0), 't1': SamplingConfig(1.0)}
+    methods = [('plain', None)] + [(f'ngram k={k}', k) for k in args.ks]
+    if args.branches:
+        methods.append((f'ngram tree {args.branches}x{args.ks[0]}', 'tree'))
+    batches = []
+    for ids in ids_list:
+        toks = np.zeros((1, width), np.int32)
+        toks[0, : len(ids)] = ids
+        batches.append((toks, np.asarray([len(ids)], np.int32)))
+    jobs, keys = [], []
+    for label in settings:
+        s = sampling[label]
+        for method, k in methods:
+            if k is None:
+                fn, params = make_autoregressive_fn(tgd, max_new_tokens=new, sampling=s), [tparams]
+            elif k == 'tree':
+                tree = ngram_tree_paths(args.branches, args.ks[0])
+                fn = make_tree_speculative_fn(tgd, draft, tree=tree, max_new_tokens=new, sampling=s)
+                params = [tparams, ()]
+            else:
+                fn = make_speculative_fn(tgd, draft, num_draft_tokens=k, max_new_tokens=new,
+                                         sampling=s)  # fmt: skip
+                params = [tparams, ()]
+            jobs.append((fn, params, *batches[0], jax.random.key(0)))
+            keys.append((method, label, params))
+    started = time.perf_counter()
+    compiled = compile_samplers(jobs)
+    print(f'specjax: compiled {len(jobs)} programs in {time.perf_counter() - started:.0f} s')
+    results = {}
+    for c, (method, label, params) in zip(compiled, keys, strict=True):
+        jax.block_until_ready(c(*params, *batches[0], jax.random.key(1)))  # warm-up
+        for i, (toks, lens) in enumerate(batches):
+            start = time.perf_counter()
+            out = jax.block_until_ready(c(*params, toks, lens, jax.random.key(i)))
+            seconds = time.perf_counter() - start
+            calls = int(out.stats['target_calls']) - 1 if method != 'plain' else new
+            results[('specjax', method, label, i)] = dict(
+                seconds=seconds, tokens=np.asarray(out.tokens[0]), target_calls=calls,
+                compile_s=c.compile_s,
+            )  # fmt: skip
+        print(f'specjax {method} {label} done', flush=True)
+    return results
+
+
+def summarise(results, items, new) -> list[dict]:
+    """Rows per (system, method, sampling, domain): tokens/s, tau, speedup over plain."""
+    domains = sorted({d for d, _ in items})
+    groups = sorted({key[:3] for key in results})
+    rows = []
+    for system, method, label in groups:
+        for domain in domains:
+            idx = [i for i, (d, _) in enumerate(items) if d == domain]
+            got = [results[(system, method, label, i)] for i in idx]
+            plain = [results[(system, 'plain', label, i)] for i in idx]
+            seconds = sum(r['seconds'] for r in got)
+            tokens = new * len(idx)
+            rate = tokens / seconds
+            row = dict(
+                system=system, method=method, sampling=label, domain=domain,
+                tokens_per_s=rate, tau=tokens / sum(r['target_calls'] for r in got),
+                speedup=rate / (tokens / sum(r['seconds'] for r in plain)),
+            )  # fmt: skip
+            if label == 'greedy':
+                same = [np.array_equal(r['tokens'], p['tokens']) for r, p in zip(got, plain)]
+                row['greedy_equal_to_plain'] = float(np.mean(same))
+            rows.append(row)
+    return rows
+
+
+def table(rows) -> str:
+    lines = ['| system | method | sampling | domain | tokens/s | tau | speedup over its plain |',
+             '|---|---|---|---|---|---|---|']  # fmt: skip
+    for r in rows:
+        lines.append(
+            f'| {r["system"]} | {r["method"]} | {r["sampling"]} | {r["domain"]} | '
+            f'{r["tokens_per_s"]:.1f} | {r["tau"]:.2f} | {r["speedup"]:.2f}x |'
+        )
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    cli.setup_cache(args)
+    from specjax.interop.gguf import import_gguf
+    from specjax.interop.workdir import bundled_path
+
+    started = time.perf_counter()
+    path = bundled_path('smollm2-135m')
+    target, tok = import_gguf(path)
+    items = prompts(args.prompts)
+    ids_list = encode(tok, items)
+    settings = [s for s in args.sampling.split(',') if s]
+    systems = [s for s in args.systems.split(',') if s]
+    results = {}
+    if 'specjax' in systems:
+        results.update(run_specjax(target, ids_list, args.max_new_tokens, args, settings))
+    if 'transformers' in systems:
+        results.update(run_transformers(path, ids_list, args.max_new_tokens, args, settings))
+    rows = summarise(results, items, args.max_new_tokens)
+    print(table(rows))
+    result = dict(
+        model='SmolLM2-135M-Instruct.Q4_1.gguf (float32)', batch=1,
+        max_new_tokens=args.max_new_tokens, ks=list(args.ks), max_n=args.max_n,
+        min_n=args.min_n, hf_prompt_lookup_num_tokens=args.hf_tokens, branches=args.branches,
+        prompts=[[d, copy.deepcopy(x)] for d, x in items], prompt_tokens=list(map(len, ids_list)),
+        rows=rows, wall_s=time.perf_counter() - started, cpu_count=os.cpu_count(),
+        note='one process, batch 1: compare speedups within a system and run',
+    )  # fmt: skip
+    jsonio.write_json(args.out, result)
+    print(json.dumps({'wall_s': round(result['wall_s'])}), f'wrote {args.out}')
+    return result
+
+
+if __name__ == '__main__':
+    main()
