@@ -4,8 +4,9 @@ Both systems load the bundled GGUF (the same dequantised float32 weights) and de
 the same prompts: stdlib code to continue (`code`) and chat prompts (SmolLM2's template) that ask
 to rewrite a stdlib function (`chat`). transformers: plain `generate` and prompt lookup
 (`prompt_lookup_num_tokens`, `max_matching_ngram_size`); specjax: `autoregressive_sample` and
-`speculative_sample` with an `NGramDraft` for each k of --ks (chains), and a tree of --branches
-chains at the first k. eos is ignored on both sides, so every run makes --max_new_tokens tokens.
+`speculative_sample` with an `NGramDraft` for each k:min_n of --variants (chains), and a tree of
+--branches chains at the first variant. eos is ignored on both sides, so every run makes
+--max_new_tokens tokens.
 Each system's speedup is its lookup's tokens/s over its own plain decoding, measured in the same
 process, per domain. Prints one table; writes JSON (--out). Run on a quiet machine: ratios taken
 while other work runs are not comparable.
@@ -33,10 +34,11 @@ from specjax import jsonio
 def parser():
     p = cli.parser(__doc__, out='/tmp/specjax/prompt_lookup.json', compilation_cache=True)
     p.add_argument('--systems', default='specjax,transformers', help='comma-separated')
-    p.add_argument('--ks', default='4,8', type=cli.ints, help='n-gram proposals per round')
+    p.add_argument(
+        '--variants', default='4:1,8:1,8:2', help="specjax's chains as k:min_n, comma-separated"
+    )
     p.add_argument('--branches', default=2, type=int, help='chains of the tree (0: no tree)')
     p.add_argument('--max_n', default=3, type=int, help='longest n-gram matched (both systems)')
-    p.add_argument('--min_n', default=1, type=int, help="shortest n-gram matched (specjax's)")
     p.add_argument('--hf_tokens', default=4, type=int, help='prompt_lookup_num_tokens')
     p.add_argument('--max_new_tokens', default=96, type=int, help='tokens per prompt')
     p.add_argument('--sampling', default='greedy,t1', help='greedy and/or t1')
@@ -135,12 +137,14 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
     )
 
     tgd, tparams = split(target)
-    draft = NGramDraft(args.max_n, args.min_n)
+    variants = [tuple(int(x) for x in v.split(':')) for v in args.variants.split(',') if v]
     width = max(map(len, ids_list))
     sampling = {'greedy': SamplingConfig(0.0), 't1': SamplingConfig(1.0)}
-    methods = [('plain', None)] + [(f'ngram k={k}', k) for k in args.ks]
+    methods = [('plain', None)]
+    methods += [(f'ngram k={k} min_n={n}', (k, n)) for k, n in variants]
     if args.branches:
-        methods.append((f'ngram tree {args.branches}x{args.ks[0]}', 'tree'))
+        k, n = variants[0]
+        methods.append((f'ngram tree {args.branches}x{k} min_n={n}', ('tree', k, n)))
     batches = []
     for ids in ids_list:
         toks = np.zeros((1, width), np.int32)
@@ -152,12 +156,14 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
         for method, k in methods:
             if k is None:
                 fn, params = make_autoregressive_fn(tgd, max_new_tokens=new, sampling=s), [tparams]
-            elif k == 'tree':
-                tree = ngram_tree_paths(args.branches, args.ks[0])
+            elif k[0] == 'tree':
+                tree = ngram_tree_paths(args.branches, k[1])
+                draft = NGramDraft(args.max_n, k[2])
                 fn = make_tree_speculative_fn(tgd, draft, tree=tree, max_new_tokens=new, sampling=s)
                 params = [tparams, ()]
             else:
-                fn = make_speculative_fn(tgd, draft, num_draft_tokens=k, max_new_tokens=new,
+                draft = NGramDraft(args.max_n, k[1])
+                fn = make_speculative_fn(tgd, draft, num_draft_tokens=k[0], max_new_tokens=new,
                                          sampling=s)  # fmt: skip
                 params = [tparams, ()]
             jobs.append((fn, params, *batches[0], jax.random.key(0)))
@@ -239,8 +245,8 @@ def main(argv=None):
     print(table(rows))
     result = dict(
         model='SmolLM2-135M-Instruct.Q4_1.gguf (float32)', batch=1,
-        max_new_tokens=args.max_new_tokens, ks=list(args.ks), max_n=args.max_n,
-        min_n=args.min_n, hf_prompt_lookup_num_tokens=args.hf_tokens, branches=args.branches,
+        max_new_tokens=args.max_new_tokens, variants=args.variants, max_n=args.max_n,
+        hf_prompt_lookup_num_tokens=args.hf_tokens, branches=args.branches,
         prompts=[[d, copy.deepcopy(x)] for d, x in items], prompt_tokens=list(map(len, ids_list)),
         rows=rows, wall_s=time.perf_counter() - started, cpu_count=os.cpu_count(),
         note='one process, batch 1: compare speedups within a system and run',

@@ -11,8 +11,9 @@ Stages (specjax.quickstart.smollm2): target (import, no training), teacher_cache
 of train-row prompts and its top-K log-probs over the N ids on them, computed once), draft_ce
 and draft_distilled (the same reduced-vocabulary draft, same steps and tokens per step:
 cross-entropy on the corpus rows, DistillSpec's baseline, vs FKL to the cached teacher on its
-continuations, its best setting), spec_ce, spec_distilled, serve, report. No cotrain: it would
-train the 135M target.
+continuations, its best setting), draft_feature (EAGLE-3), spec_ce, spec_distilled,
+spec_feature, spec_ngram (the training-free n-gram draft: no draft stage), serve, report. No
+cotrain: it would train the 135M target.
 
 Presets: full (default; docs/quickstart.md, SmolLM2, has the measured times) and tiny (a smoke
 run of every stage with small settings; still a 135M target).
@@ -49,6 +50,7 @@ _PRESETS = {
         # steps x 150 steps: 0.29) - docs/quickstart.md, "Steps or rows?"
         feature_steps=600,
         feature_ttt_steps=1,
+        ngram_ks=(4, 8),  # the training-free n-gram draft's proposals per round
     ),
     'tiny': dict(
         n=512,
@@ -66,6 +68,7 @@ _PRESETS = {
         serve_batches=(1,),  # as full: serve reuses spec_eval's batch-1 programs
         feature_steps=4,
         feature_ttt_steps=1,
+        ngram_ks=(2,),
     ),
 }
 
@@ -80,6 +83,7 @@ _ESTIMATES = {
         spec_ce=390,
         spec_distilled=270,
         spec_feature=300,
+        spec_ngram=120,
         serve=50,
         report=5,
     ),
@@ -92,6 +96,7 @@ _ESTIMATES = {
         spec_ce=40,
         spec_distilled=17,
         spec_feature=30,
+        spec_ngram=15,
         serve=17,
         report=3,
     ),
@@ -238,6 +243,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     ev.calibration_iters = 4
     ev.calibration_repeats = 2
 
+    # the training-free n-gram (prompt-lookup) draft: spec_eval without a draft workdir
+    c.spec_ngram = ml_collections.ConfigDict(c.spec_eval.to_dict())
+    c.spec_ngram.draft_kind = 'ngram'
+    c.spec_ngram.ngram.max_n = 3  # longest n-gram matched against the context
+    c.spec_ngram.ngram.min_n = 1  # shortest (shorter matches propose nothing)
+    c.spec_ngram.eval.ks = p['ngram_ks']
+
     c.serve = ml_collections.ConfigDict()
     c.serve.batch_sizes = p['serve_batches']
     c.serve.max_new_tokens = p['new_tokens']
@@ -249,6 +261,10 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.samples = 2
     # prompts served at every batch size (batch 1: one call each)
     c.serve.prompts = 4 if size == 'full' else 2
+    # the n-gram draft served with the target (0: not served) at its largest spec_eval k
+    c.serve.ngram_k = p['ngram_ks'][-1]
+    c.serve.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')
+    c.serve.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -218,6 +218,35 @@ def test_report_opens_with_the_verdict_from_the_json(finished):
     assert quickstart_report.verdict_text(d).splitlines()[0].startswith('- speculate')
 
 
+def test_report_renders_the_ngram_option(finished, tmp_path):
+    """A results set with a spec_ngram stage (the SmolLM2 preset's training-free draft; faked
+    here from spec_distilled's JSON with the n-gram draft's model record and c = 0): its verdict
+    row, with nothing trained, and its serving row."""
+    import shutil
+
+    _, workdir, _, _ = finished
+    root = str(tmp_path / 'w')
+    shutil.copytree(workdir, root, ignore=shutil.ignore_patterns('checkpoints*'))
+    spec = json.load(open(os.path.join(root, 'spec_distilled', 'spec_eval.json')))
+    spec['models']['draft'] = dict(kind='ngram', max_n=3, min_n=1, num_params=0)
+    spec['calibration']['c'], spec['calibration']['draft_step_s'] = 0.0, 0.0
+    os.makedirs(os.path.join(root, 'spec_ngram'))
+    with open(os.path.join(root, 'spec_ngram', 'spec_eval.json'), 'w') as f:
+        json.dump(spec, f)
+    serve_path = os.path.join(root, 'serve', 'serve.json')
+    serve = json.load(open(serve_path))
+    pair = next(r for r in serve['rows'] if r['method'] == 'spec_distilled')
+    serve['rows'].append(dict(pair, method='spec_ngram', k=8))
+    json.dump(serve, open(serve_path, 'w'))
+    quickstart_report.write(root)
+    text = open(os.path.join(root, 'report.md')).read()
+    option = 'speculate with no training (n-gram prompt lookup)'
+    assert 'best k = ' in _cell(text, f'| {option} ', 1, '## Verdict')
+    assert _cell(text, f'| {option} ', 3, '## Verdict') == fmt(0.0)
+    assert 'target + n-gram draft (training-free, speculative)' in text
+    assert option in quickstart_report.verdict_text(quickstart_report.load(root))
+
+
 def test_rerun_reuses_every_stage_without_retraining(finished):
     config, workdir, _, first_s = finished
     before = {

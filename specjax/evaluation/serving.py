@@ -4,7 +4,8 @@ For batch sizes config.batch_sizes and one sampling (greedy by default), times f
 serving on the same prompts: the target alone, the distilled draft alone (distillation as
 replacement), and the target with each draft speculatively (CE draft, distilled draft) at one k,
 and a fifth where <root>/draft_feature holds a finished feature draft (EAGLE-3 shape): the target
-with it speculatively ('spec_feature').
+with it speculatively ('spec_feature'); with config.ngram_k > 0 the target with the training-free
+n-gram draft at k = ngram_k ('spec_ngram', NGramDraft(config.ngram_max_n, config.ngram_min_n)).
 Every batch size serves the same config.prompts prompts (round-robin over domains) in calls of
 b rows (at batch 1: one call per prompt). Every sampler is compiled once, ahead of time, for
 max_new_tokens N; the 1-token call runs the same program with a run-time limit of 1
@@ -37,13 +38,19 @@ from specjax.evaluation.prompts import make_prompts
 from specjax.evaluation.spec_eval_sampling import dynamic_sampling
 from specjax.models import split
 from specjax.parallel import make_mesh
-from specjax.sampling import SamplingConfig, make_autoregressive_fn, make_speculative_fn
+from specjax.sampling import (
+    NGramDraft,
+    SamplingConfig,
+    make_autoregressive_fn,
+    make_speculative_fn,
+)
 from specjax.sampling.calibrate import interleaved_times
 from specjax.sampling.draft_vocab import DraftVocab
 
 METHODS = ('target', 'draft_distilled', 'spec_ce', 'spec_distilled')
 FEATURE = 'draft_feature'  # a feature-draft workdir beside the others (SmolLM2 preset) ...
 FEATURE_METHOD = 'spec_feature'  # ... is also served with the target, timed like METHODS
+NGRAM_METHOD = 'spec_ngram'  # the target with the n-gram draft (config.ngram_k > 0)
 SAMPLED = ('target', 'draft_distilled', 'draft_ce', 'spec_distilled')  # shown side by side
 
 
@@ -99,6 +106,12 @@ def run(config, workdir: str, root: str) -> dict:
     split_models = {name: split(m) for name, m in models.items()}
     # Reduced-vocabulary drafts (draft_vocab.json): ids maps draft index -> target id.
     vocab = {name: draft_vocab_ids(os.path.join(root, name)) for name in models}
+    ks = {}  # proposals per round of a spec_ method other than the pairs' k
+    if int(config.get('ngram_k', 0)) > 0:
+        ngram = NGramDraft(int(config.ngram_max_n), int(config.ngram_min_n))
+        split_models['draft_ngram'], vocab['draft_ngram'] = (ngram, ()), None
+        methods += (NGRAM_METHOD,)
+        ks[NGRAM_METHOD] = int(config.ngram_k)
     target_vocab = models['target'].config.vocab_size
 
     ev = config.eval
@@ -118,7 +131,7 @@ def run(config, workdir: str, root: str) -> dict:
     # k: shared, the eos and token limit being run-time values)
     dynamic = dynamic_sampling(sampling, ev)
     common = dict(sampling=sampling, eos_id=None, mesh=mesh, rules=rules, dynamic_sampling=dynamic)
-    sampler = _sampler_factory(split_models, vocab, k, common)
+    sampler = _sampler_factory(split_models, vocab, k, common, ks)
     inputs_for = lambda method, tokens: alone_inputs(vocab.get(method), target_vocab, tokens)
     calls, compiled, outputs, per_pass, rows = _compile_all(
         methods,
@@ -138,7 +151,7 @@ def run(config, workdir: str, root: str) -> dict:
         'max_new_tokens': n,
         'repeats': int(config.repeats),
         'sampling': sampling.to_dict(),
-        'param_bytes': {name: _param_bytes(p) for name, (_, p) in split_models.items()},
+        'param_bytes': {name: _param_bytes(split_models[name][1]) for name in models},
         'num_params': {name: num_params(m) for name, m in models.items()},
         'prompts': {
             'count': len(rows),
@@ -147,7 +160,7 @@ def run(config, workdir: str, root: str) -> dict:
             },
             'calls_per_pass': {str(b): per_pass[b] for b in batch_sizes},
         },
-        'rows': _rows(methods, batch_sizes, n, k, times, timing, compiled, outputs, vocab),
+        'rows': _rows(methods, batch_sizes, n, k, times, timing, compiled, outputs, vocab, ks),
         'samples': _samples(config, tok, prompts, rows, outputs, vocab, max(batch_sizes)),
         'environment': measure.environment(),
         'process_memory': measure.process_memory(),
@@ -157,8 +170,9 @@ def run(config, workdir: str, root: str) -> dict:
     return result
 
 
-def _sampler_factory(split_models: dict, vocab: dict, k: int, common: dict):
-    """sampler(method, max_new) -> (sampler fn, its params): a model alone or a spec_ pair."""
+def _sampler_factory(split_models: dict, vocab: dict, k: int, common: dict, ks: dict):
+    """sampler(method, max_new) -> (sampler fn, its params): a model alone or a spec_ pair (at
+    k, or at ks[method])."""
 
     def sampler(method, max_new):
         if method.startswith('spec_'):
@@ -166,7 +180,7 @@ def _sampler_factory(split_models: dict, vocab: dict, k: int, common: dict):
             fn = make_speculative_fn(
                 split_models['target'][0],
                 split_models[draft][0],
-                num_draft_tokens=k,
+                num_draft_tokens=ks.get(method, k),
                 max_new_tokens=max_new,
                 draft_vocab_ids=None if vocab[draft] is None else tuple(vocab[draft]),
                 **common,
@@ -234,7 +248,9 @@ def _compile_all(methods, sampler, inputs_for, prompts, batch_sizes, n: int, rng
     return calls, compiled, outputs, per_pass, rows
 
 
-def _rows(methods, batch_sizes, n: int, k: int, times, timing, compiled, outputs, vocab) -> list:
+def _rows(
+    methods, batch_sizes, n: int, k: int, times, timing, compiled, outputs, vocab, ks
+) -> list:
     """One row per (batch, method of `methods`): TTFT, TPOT, tokens/s, memory, agreement with
     the target (times: seconds per call, the median over repeats; timing: the N-token pass's
     repeats)."""
@@ -248,7 +264,7 @@ def _rows(methods, batch_sizes, n: int, k: int, times, timing, compiled, outputs
                 dict(
                     method=method,
                     batch_size=b,
-                    k=k if method.startswith('spec_') else None,
+                    k=ks.get(method, k) if method.startswith('spec_') else None,
                     ttft_s=t_1,
                     tpot_s=(t_n - t_1) / max(n - 1, 1),
                     time_per_token_s=t_n / n,

@@ -20,6 +20,7 @@ PAIRS = {  # spec_eval stage -> (label, training stage of the draft)
     'spec_distilled': ('distilled draft', 'draft_distilled'),
     'spec_cotrain': ('co-trained pair', 'cotrain'),
     'spec_feature': ('feature draft (EAGLE-3)', 'draft_feature'),
+    'spec_ngram': ('n-gram draft (training-free)', None),
 }
 REF_K = 4  # k of the bucket tables (or the largest evaluated k below it)
 SERVE_NAMES = {
@@ -29,6 +30,7 @@ SERVE_NAMES = {
     'spec_ce': 'target + CE draft (speculative)',
     'spec_distilled': 'target + distilled draft (both)',
     'spec_feature': 'target + feature draft (EAGLE-3, speculative)',
+    'spec_ngram': 'target + n-gram draft (training-free, speculative)',
 }
 MIB = 2.0**20
 
@@ -40,10 +42,10 @@ def _json(path: str):
 
 def load(root: str) -> dict:
     """Every JSON the report reads, by stage name (cotrain / spec_cotrain / teacher_cache /
-    draft_feature / spec_feature only where the preset has them: SmolLM2's has a teacher cache
-    and a feature draft, and no co-training)."""
+    draft_feature / spec_feature / spec_ngram only where the preset has them: SmolLM2's has a
+    teacher cache, a feature draft and the n-gram draft, and no co-training)."""
     d = {'run': _json(os.path.join(root, 'quickstart.json'))}
-    optional = {'cotrain', 'spec_cotrain', 'draft_feature', 'spec_feature'}
+    optional = {'cotrain', 'spec_cotrain', 'draft_feature', 'spec_feature', 'spec_ngram'}
     for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain', 'draft_feature'):
         path = os.path.join(root, stage, 'results.json')
         if stage not in optional or os.path.exists(path):
@@ -118,7 +120,7 @@ def cost_ratios(spec: dict) -> dict[str, float]:
     models = spec['models']
     return {
         'parameter ratio': flop_ratio(spec),
-        'layer ratio': models['draft']['n_layers'] / models['target']['n_layers'],
+        'layer ratio': models['draft'].get('n_layers', 0) / models['target']['n_layers'],
         'measured': spec['calibration']['c'],
     }
 

@@ -98,6 +98,10 @@ def verdict_rows(d: dict) -> list[list]:
                 d, 'spec_feature', 'speculate with a feature draft (EAGLE-3)', 'draft_feature'
             )
         )
+    if 'spec_ngram' in d:
+        row = _spec_row(d, 'spec_ngram', 'speculate with no training (n-gram prompt lookup)', '')
+        row[3] = 0.0  # nothing trained
+        rows.append(row)
     return rows
 
 

@@ -17,6 +17,9 @@ them alike: each in <workdir>/<stage>, finished when its results file exists):
   spec_ce, spec_distilled, spec_feature, serve, report   as in the embedded-corpus quickstart;
                    spec_eval and serving read each draft's draft_vocab.json and pass
                    draft_vocab_ids
+  spec_ngram       spec_eval with the training-free n-gram (prompt-lookup) draft
+                   (config.spec_ngram.draft_kind 'ngram'): needs only the target; serve serves
+                   it too (config.serve.ngram_k)
 The cotrain stage is not part of this preset: co-training updates the 135M target, which this
 CPU cannot do in the quickstart's budget (the report says so).
 
@@ -271,11 +274,13 @@ def spec_eval_stage(draft: str):
 
 
 def run_spec_eval(draft, cfg, wd, root):
+    """spec_eval of SmolLM2 with the draft in <root>/<draft>, or with the training-free n-gram
+    draft (draft 'ngram': config.draft_kind 'ngram', no draft workdir)."""
     from specjax.evaluation import spec_eval
 
     cfg = _with_tokenizer(cfg, root)
     cfg.target_workdir = os.path.join(root, 'target')
-    cfg.draft_workdir = os.path.join(root, draft)
+    cfg.draft_workdir = '' if draft == 'ngram' else os.path.join(root, draft)
     spec_eval.run(cfg, wd)
 
 
@@ -325,6 +330,13 @@ def stages(config=None):
             spec_eval_stage('draft_feature'),
         ),
         Stage(
+            'spec_ngram',
+            'spec_ngram',
+            'spec_eval.json',
+            ('target',),
+            spec_eval_stage('ngram'),
+        ),
+        Stage(
             'serve',
             'serve',
             'serve.json',
@@ -344,6 +356,7 @@ def stages(config=None):
                 'spec_distilled',
                 'draft_feature',
                 'spec_feature',
+                'spec_ngram',
                 'serve',
             ),
             run_report,
