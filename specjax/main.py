@@ -99,13 +99,6 @@ def bad_overrides(argv, message: str) -> list[str]:
     return [a for a in overrides if key in path(a)] or overrides
 
 
-def _quiet_read_only_notices() -> None:
-    """Drops orbax's 'Given directory is read only' warning, logged each time a reader opens
-    checkpoints read-only (spec_eval, a distillation teacher): that is by design here."""
-    notice = 'Given directory is read only'
-    logging.get_absl_handler().addFilter(lambda r: not str(r.msg).startswith(notice))
-
-
 def _stop(signum, frame):
     """SIGTERM wherever no mode handles it (modes install their own around training loops)."""
     raise errors.StopRequested(signum)
@@ -188,7 +181,6 @@ def main(argv):
         config = _CONFIG.value
         run = resolve_mode(config.get('mode'))
         quiet_libraries()
-        _quiet_read_only_notices()
         workdir = workdir_lib.resolve(_WORKDIR.value)
         where = 'process 0'
         if _process_index() == 0:

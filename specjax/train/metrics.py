@@ -99,15 +99,23 @@ class MetricsWriter:
             self._tb.close()
 
 
+# orbax notices logged each time a reader opens checkpoints read-only (spec_eval, serving, a
+# distillation teacher): by design here, so dropped (the tiny SmolLM2 run printed 21 copies)
+_READ_ONLY_NOTICES = ('Given directory is read only', 'CheckpointManagerOptions.read_only=True')
+
+
 class _QuietLibraries(pylogging.Filter):
-    """Drops orbax's per-save INFO chatter. Its warnings and errors, and asyncio's about orbax's
-    tasks ('Task exception was never retrieved' after a failed save), show as their message
-    line without the traceback: a failed save is raised as CheckpointWriteError naming it."""
+    """Drops orbax's per-save INFO chatter and its read-only notices. Its other warnings and
+    errors, and asyncio's about orbax's tasks ('Task exception was never retrieved' after a
+    failed save), show as their message line without the traceback: a failed save is raised as
+    CheckpointWriteError naming it."""
 
     def filter(self, record):
         orbax = '/orbax/' in record.pathname
         if not orbax and not (record.name == 'asyncio' and '/orbax/' in record.getMessage()):
             return True
+        if str(record.msg).startswith(_READ_ONLY_NOTICES):
+            return False
         if record.levelno >= pylogging.WARNING:
             record.exc_info, record.exc_text = None, None
             return True
