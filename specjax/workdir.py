@@ -6,9 +6,9 @@
   whose holder is gone is simply taken over (with a warning naming the old holder). Only
   process 0 of a multi-process run locks; re-entering from the same process is allowed.
 - `write_results(workdir, mode, results, config)`: results.json carries `mode`, the resolved
-  `config` and its `config_hash`; a results.json written by another mode is never replaced,
-  and one of the same mode is kept beside the new one (`keep_previous`: results.step<N>.json,
-  results.prev.json, numbered when taken). `write_kept` applies that rule to any file.
+  `config`, its `config_hash` and the `digests` of the corpus and tokenizer it read; one written
+  by another mode is never replaced, one of the same mode is kept beside the new one
+  (`keep_previous`, the rule `write_kept` applies to any file: results.step<N>.json or .prev).
 - `config_changes(saved, current)`: the result-changing fields that differ between two configs;
   IGNORED_CONFIG_FIELDS lists the ones that do not change a result (logging, checkpoint
   cadence, the mesh, paths of inputs whose identity is checked separately); DEFAULT_VALUED_FIELDS
@@ -378,13 +378,11 @@ def record_config_change(workdir, step: int, changes: list) -> None:
 
 
 def write_results(workdir: str, mode: str, results: dict, config, name: str = RESULTS_FILE):
-    """Writes <workdir>/<name> with mode, config and config_hash; returns its path (a str).
+    """Writes <workdir>/<name> with mode, config, config_hash and digests; returns its path.
 
-    Process 0 only (other processes write nothing and get the same path back). Refuses
-    (ValueError) to replace a file another mode wrote; an older file of this mode is kept beside
-    it (keep_previous), so a rerun never loses an earlier result. A run resumed with allowed
-    config changes also gets 'config_history' (record_config_change): the config recorded is
-    the latest, and the history says what the earlier steps ran with.
+    Process 0 only (others get the same path back). Refuses (ValueError) to replace a file another
+    mode wrote; keeps an older one of this mode beside it (keep_previous). Adds 'config_history'
+    (record_config_change) and, unless given, 'digests' (data.digests.used_digests, or None).
     """
     root = path(workdir)
     file = root / name
@@ -393,6 +391,9 @@ def write_results(workdir: str, mode: str, results: dict, config, name: str = RE
     check_results_owner(root, mode, name)
     root.mkdir(parents=True, exist_ok=True)
     out = dict(results, mode=mode, config=to_json(config), config_hash=config_hash(config))
+    data = sys.modules.get('specjax.data')  # not loaded: no corpus or tokenizer was read here
+    none = {'corpus': None, 'tokenizer': None}
+    out.setdefault('digests', data.used_digests(config) if data else none)
     history = root / CONFIG_HISTORY_FILE
     if history.exists():  # resumed with allowed config changes: the settings before them too
         out['config_history'] = json.loads(history.read_text())

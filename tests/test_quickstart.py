@@ -116,6 +116,21 @@ def test_training_stages_ran_side_by_side_and_timing_stages_alone(finished):
     assert run['total_seconds'] >= max(run['stage_seconds'].values())
 
 
+def test_every_stage_records_the_same_input_digests_and_the_report_names_them(finished):
+    _, workdir, _, _ = finished
+    recorded = {}
+    for stage in ('target', 'draft_ce', 'draft_distilled', 'cotrain', 'spec_ce', 'spec_cotrain'):
+        with open(os.path.join(workdir, stage, 'results.json')) as f:
+            recorded[stage] = json.load(f)['digests']
+    first = recorded['target']
+    assert all(d == first for d in recorded.values()), recorded  # one corpus, one tokenizer
+    assert first['corpus']['name'] == 'specjax_stdlib' and len(first['corpus']['sha256']) == 64
+    assert first['tokenizer']['kind'] == 'sentencepiece'
+    text = open(os.path.join(workdir, 'report.md')).read()
+    assert f'specjax_stdlib {first["corpus"]["sha256"][:16]}' in text
+    assert f'sentencepiece {first["tokenizer"]["sha256"][:16]}' in text
+
+
 def test_parallel_stages_must_be_a_count():
     config = _config()
     config.parallel_stages = -1

@@ -4,7 +4,8 @@ Built from a `tokenizer.json` (with the special tokens of a `tokenizer_config.js
 assembled from a GGUF file's `tokenizer.ggml.*` byte-level BPE (vocabulary, merges, token types,
 pre-tokenizer). `encode` never adds bos/eos: specjax's pipelines add them (data.pipeline) and
 prompts start with bos (experiments.prompts). `identity()['hash']` is the sha256 of the canonical
-tokenizer.json together with the bos/eos/pad ids. Picklable (grain worker processes).
+tokenizer.json together with the bos/eos/pad ids (`digest()`: all of it). Picklable (grain worker
+processes).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class HuggingFaceTokenizer:
         self.bos_id, self.eos_id, self.pad_id = int(bos_id), int(eos_id), int(pad_id)
         self.chat_template = chat_template
         scheme = f'{self.tokenizer_json}\nbos={bos_id}:eos={eos_id}:pad={pad_id}'
-        self._hash = hashlib.sha256(scheme.encode()).hexdigest()[:16]
+        self._digest = hashlib.sha256(scheme.encode()).hexdigest()
+        self._hash = self._digest[:16]
 
     # --- construction -------------------------------------------------------------------------
 
@@ -255,6 +257,10 @@ class HuggingFaceTokenizer:
 
     def identity(self) -> dict:
         return {'kind': 'huggingface', 'vocab_size': self.vocab_size, 'hash': self._hash}
+
+    def digest(self) -> str:
+        """The full sha256 hex that identity()['hash'] begins with."""
+        return self._digest
 
     # --- chat and files -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import itertools
 import grain
 import numpy as np
 
-from specjax.data import sources
+from specjax.data import digests, sources
 from specjax.data.tokenizers import Tokenizer
 
 BATCH_KEYS = ('tokens', 'segment_ids', 'positions', 'domain_ids')
@@ -66,11 +66,13 @@ def _tokenize_split(reader: sources.SplitReader, tok: Tokenizer, chunk: int = 64
 
 
 def tokenized_split(data_config, tok: Tokenizer, split: str) -> TokenizedSplit:
-    """The split's token ids, cached beside the data keyed by tokenizer hash (see cache_tokens)."""
+    """The split's token ids, cached beside the data keyed by the split's records digest and
+    the tokenizer hash (see cache_tokens), so re-prepared records never meet stale tokens."""
     ds = sources.open_dataset(data_config)
     reader = sources.SplitReader(ds, split)
     tok_hash = tok.identity()['hash']
-    name = f'tokens_{split}_{ds.text_feature}_{ds.domain_feature}_{tok_hash}.npz'
+    records = digests.corpus_digest(ds)['splits'][split]['sha256'][:12]
+    name = f'tokens_{split}_{ds.text_feature}_{ds.domain_feature}_{tok_hash}_r{records}.npz'
     blob = sources.cached_bytes(ds.cache_dir / name, lambda: _tokenize_split(reader, tok))
     with np.load(io.BytesIO(blob)) as z:
         return TokenizedSplit(z['ids'], z['offsets'], z['domains'], tok.bos_id, tok.eos_id)

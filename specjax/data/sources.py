@@ -120,6 +120,23 @@ def _open(name: str, data_dir: str, text_feature: str, domain_feature: str | Non
     return Dataset(builder, data_dir, name, manifest, text_feature, domain_feature, domain_names)
 
 
+# Datasets this process opened, by (name, data_dir, text_feature, domain_feature): what results
+# record (specjax.data.digests).
+_OPENED: dict[tuple, Dataset] = {}
+
+
+def _opened_key(data_config) -> tuple:
+    fields = ('name', 'text_feature', 'domain_feature')
+    name, text, domain = (data_config.get(f) for f in fields)
+    return name, _expand(data_config.get('data_dir') or ''), text, domain
+
+
+def opened_dataset(data_config) -> Dataset | None:
+    """The dataset this process opened for these `config.data` settings, or None (opens and
+    prepares nothing: for recording what a run read, specjax.data.digests)."""
+    return _OPENED.get(_opened_key(data_config))
+
+
 def open_dataset(data_config) -> Dataset:
     """Validates `config.data` against the prepared dataset (preparing `specjax_stdlib` once).
 
@@ -148,6 +165,7 @@ def open_dataset(data_config) -> Dataset:
                 f'config.data.{field}={split!r} is not a split of {data_config.name!r} '
                 f'(splits: {sorted(ds.builder.info.splits.keys())})'
             )
+    _OPENED[_opened_key(data_config)] = ds
     return ds
 
 
@@ -191,11 +209,12 @@ class SplitReader:
 
 
 def write_atomic(path: epath.Path, data: bytes) -> None:
-    """Writes via a unique temporary file and rename, so concurrent writers never tear a file."""
+    """Writes via a unique temporary file and replace, so concurrent writers never tear a file
+    (and the last one wins, where rename refused an existing file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f'.{path.name}.{uuid.uuid4().hex}.tmp'
     tmp.write_bytes(data)
-    tmp.rename(path)
+    tmp.replace(path)
 
 
 def cached_bytes(path: epath.Path, build, *, timeout_s: float = 3600.0) -> bytes:

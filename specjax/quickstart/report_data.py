@@ -63,6 +63,29 @@ def load(root: str) -> dict:
     return d
 
 
+# Stages whose results the report reads 'digests' from (training stages and the teacher cache).
+DIGEST_STAGES = (
+    'target',
+    'teacher_cache',
+    'draft_ce',
+    'draft_distilled',
+    'cotrain',
+    'draft_feature',
+)
+
+
+def input_digests(d: dict) -> dict[str, dict[str, list[str]]]:
+    """{'corpus' | 'tokenizer': {'<name or kind> <sha256[:16]>': [stages]}} from the 'digests'
+    the stages' results recorded (specjax.data.digests; a stage without them is left out)."""
+    out: dict[str, dict[str, list[str]]] = {'corpus': {}, 'tokenizer': {}}
+    for stage in DIGEST_STAGES:
+        for what, rec in ((d.get(stage) or {}).get('digests') or {}).items():
+            if what in out and rec:
+                key = f'{rec.get("name") or rec.get("kind")} {str(rec.get("sha256"))[:16]}'
+                out[what].setdefault(key, []).append(stage)
+    return out
+
+
 def pairs(d: dict) -> dict:
     """The PAIRS this run has (no spec_cotrain in the SmolLM2 preset, no spec_feature in the
     embedded one)."""

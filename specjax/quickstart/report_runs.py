@@ -9,7 +9,7 @@ specjax.evaluation.tables.fmt.
 from __future__ import annotations
 
 from specjax.evaluation.tables import fmt, markdown_table
-from specjax.quickstart.report_data import PAIRS, labels, pairs, ref_k, run_at
+from specjax.quickstart.report_data import PAIRS, input_digests, labels, pairs, ref_k, run_at
 
 COTRAIN_SKIPPED = (
     'Co-training: not run in this preset (it updates the 135M target, which this CPU cannot '
@@ -109,6 +109,26 @@ def section_setup(d: dict) -> list[str]:
         + (f' ({env["device_kind"]})' if env['device_kind'].lower() != env['backend'] else '')
         + f', {env["cpu_count"]} CPU cores, jax '
         f'{env["jax_version"]}. Timings on a shared machine swing; compare ratios within a table.',
+        '',
+        *inputs_lines(d),
+    ]
+
+
+def inputs_lines(d: dict) -> list[str]:
+    """What the stages read, by digest (results.json 'digests', docs/usage.md): with the same
+    digests, config and seed, two runs read the same token streams."""
+    found = input_digests(d)
+    parts = [
+        f'{what} `{key}` ({", ".join(stages)})'
+        for what, seen in found.items()
+        for key, stages in seen.items()
+    ]
+    if not parts:
+        return ['Inputs: no stage recorded corpus or tokenizer digests.', '']
+    return [
+        'Inputs (sha256, first 16 hex digits): '
+        + '; '.join(parts)
+        + '. Runs whose results.json `digests` agree read the same token streams.',
         '',
     ]
 

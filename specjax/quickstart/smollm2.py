@@ -114,6 +114,7 @@ def run_import(cfg, wd, root):
         'num_params': summary['num_params'],
         'source': summary['source'],
         'seconds': summary['seconds'],
+        'digests': summary['digests'],  # the imported tokenizer's; no corpus
     }
     jsonio.write_json(os.path.join(wd, 'results.json'), results)
 
@@ -236,6 +237,7 @@ def run_teacher_cache(cfg, wd, root):
         'teacher_train_seconds': train_s,  # generating + scoring the train rows
         'cache_bytes': int(os.path.getsize(os.path.join(wd, rt.CACHE_FILE))),
         'seconds': time.perf_counter() - started,
+        'digests': data_lib.used_digests(cfg),  # the corpus and tokenizer the rows came from
     }
     jsonio.write_json(os.path.join(wd, 'cache.json'), results)
 
@@ -257,6 +259,7 @@ def run_draft(cfg, wd, root):
     with open(os.path.join(cache_dir, 'cache.json')) as f:
         cache = json.load(f)
     results['target_val_loss'] = cache['target_val_loss']
+    results['digests'] = cache.get('digests') or {'corpus': None, 'tokenizer': None}  # its rows'
     results['num_params_target'] = _target_params(root)
     jsonio.write_json(os.path.join(wd, 'results.json'), results)
 
