@@ -43,7 +43,7 @@ def copy_ops(hlo_text: str, weight_shapes: set, cache_shape: tuple) -> dict:
     cache shape (any axis order), and the rest."""
     counts = collections.Counter()
     cache_sorted = tuple(sorted(cache_shape))
-    for dtype, dims, op in OP.findall(hlo_text):
+    for _dtype, dims, op in OP.findall(hlo_text):
         shape = tuple(int(x) for x in dims.split(',') if x)
         if shape in weight_shapes:
             counts[f'{op} of a weight'] += 1
