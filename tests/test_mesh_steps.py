@@ -188,9 +188,12 @@ _SCRIPT = textwrap.dedent(
         assert out['greedy'].stats['accepted'].sharding.is_fully_replicated, shape
         hlo, cap = out['hlo'], SP + NEW + K + 1
         rows = SB // (dp * fsdp)
-        assert f'f32[{rows},{cap},{4 // tp},8]' in hlo, (shape, 'target cache')  # kv heads / tp
-        assert f'f32[{rows},{cap},2,16]' in hlo, (shape, 'draft cache')  # draft: batch only
-        assert f'f32[{SB},{cap},' not in hlo, (shape, 'an unsharded cache')
+        # keys [B, K, C, D], values [B, K, D, C] (specjax.models.kv_cache), kv heads over tp
+        assert f'f32[{rows},{4 // tp},{cap},8]' in hlo, (shape, 'target keys')
+        assert f'f32[{rows},{4 // tp},8,{cap}]' in hlo, (shape, 'target values')
+        assert f'f32[{rows},2,{cap},16]' in hlo, (shape, 'draft keys')  # draft: batch only
+        for whole in (f'f32[{SB},4,{cap},8]', f'f32[{SB},4,8,{cap}]', f'f32[{SB},2,{cap},16]'):
+            assert whole not in hlo, (shape, 'an unsharded cache', whole)
 
     t0 = time.perf_counter()
     ref = run((1, 1, 1), jax.devices()[:1])

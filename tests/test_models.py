@@ -145,7 +145,8 @@ def test_gqa_matches_direct_reference(highest_precision):
     v = rng.normal(size=(b, s, k, d)).astype(np.float32)
     mask = rng.random((b, t, s)) < 0.7
     mask[..., 0] = True
-    out = np.asarray(attend(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), jnp.asarray(mask)))
+    k_bksd, v_bkds = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # the cache's layout
+    out = np.asarray(attend(*map(jnp.asarray, (q, k_bksd, v_bkds, mask))))
     ref = np.zeros_like(out)
     for bi in range(b):
         for hi in range(h):
@@ -195,3 +196,26 @@ def test_capacity_errors():
         check_capacity(10, 11, 'prompt + max_new_tokens + k + 1')
     with pytest.raises(ValueError, match='max_len=64'):
         init_cache(CFG, 1, capacity=65)
+
+
+def test_cached_verification_reads_the_cache_and_weights_in_place():
+    """The compiled (k + 1)-token cached call of a SmolLM2-shaped block (kv heads 3, head_dim 64)
+    holds no copy or transpose of a KV cache layer (the heads-major layout: keys [B, K, C, D],
+    values [B, K, D, C]) and none of a weight-shaped array (docs/performance.md)."""
+    import re
+
+    cfg = TransformerConfig(vocab_size=512, d_model=192, n_layers=2, n_heads=3, n_kv_heads=3,
+                            d_ff=256, max_len=256, head_dim=64)  # fmt: skip
+    graphdef, params = split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = init_cache(cfg, 1, 256, lengths=jnp.array([64], jnp.int32))
+    call = jax.jit(lambda p, t, c: apply_cached(graphdef, p, t, jnp.zeros((1,), jnp.int32), c),
+                   donate_argnums=2)  # fmt: skip
+    for width in (1, 5):
+        hlo = call.lower(params, jnp.ones((1, width), jnp.int32), cache).compile().as_text()
+        weights = {tuple(x.shape) for x in jax.tree.leaves(params) if x.ndim >= 2}
+        for dims, op in re.findall(r'= \w+\[([\d,]*)\](?:\{[^}]*\})? (copy|transpose)\(', hlo):
+            shape = tuple(int(x) for x in dims.split(',') if x)
+            assert shape not in weights, (width, op, shape, 'a weight')
+            if op == 'transpose':
+                assert sorted(shape) != sorted((1, 3, 256, 64)), (width, shape, 'a cache layer')
+

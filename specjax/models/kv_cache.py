@@ -6,6 +6,12 @@ row's length are masked and never read. `lax.dynamic_update_slice` clamps a writ
 past the end back onto valid entries, so callers check capacity (`check_capacity`) before
 compiling: a write at length L of T tokens needs L + T <= capacity.
 
+Heads-major, contracted axis last: keys are kept as [B, K, capacity, D] and values as
+[B, K, D, capacity], so each of attention's two contractions (scores q·k over D, then probs·v
+over the capacity) reads its cache operand with the contracted axis minor-most, the layout
+XLA:CPU's dot wants: it then reads the cache in place instead of transposing every layer's keys
+and values on every call (docs/performance.md, "Verification cost").
+
 Two layouts, chosen by the model's config (`init_cache`): per-layer tuples for unrolled blocks,
 and for scan_layers one array per k and v stacked on a leading layer axis, which the scanned
 blocks read and update in place inside their `lax.scan` (no stacking or splitting per call).
@@ -23,9 +29,9 @@ from specjax.models.config import TransformerConfig
 
 @struct.dataclass
 class KVCache:
-    """k, v: per layer [B, capacity, n_kv_heads, head_dim] (a tuple), or stacked
-    [n_layers, B, capacity, n_kv_heads, head_dim] (one array, scan_layers models);
-    lengths: int32 [B] valid entries."""
+    """k: per layer [B, n_kv_heads, capacity, head_dim], v: per layer [B, n_kv_heads, head_dim,
+    capacity] (tuples), or each stacked on a leading n_layers axis (one array, scan_layers
+    models); lengths: int32 [B] valid entries."""
 
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
@@ -37,19 +43,25 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2] if self.stacked else self.k[0].shape[1]
+        return (self.k if self.stacked else self.k[0]).shape[-2]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1] if self.stacked else self.k[0].shape[0]
+        return (self.k if self.stacked else self.k[0]).shape[-4]
+
+
+K_CAPACITY_AXIS = 2  # of a layer's keys [B, K, capacity, D]
+V_CAPACITY_AXIS = 3  # of a layer's values [B, K, D, capacity]
 
 
 def map_layers(fn, cache: KVCache) -> KVCache:
-    """`cache` with fn([B, capacity, K, D]) -> same shape applied to every layer's k and v, in
-    either layout (stacked: vmapped over the layer axis)."""
+    """`cache` with fn(array, capacity_axis) -> same shape applied to every layer's k ([B, K, C,
+    D], axis 2) and v ([B, K, D, C], axis 3), in either layout (stacked: vmapped over layers)."""
+    fk = lambda a: fn(a, K_CAPACITY_AXIS)
+    fv = lambda a: fn(a, V_CAPACITY_AXIS)
     if cache.stacked:
-        return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v))
-    return cache.replace(k=tuple(map(fn, cache.k)), v=tuple(map(fn, cache.v)))
+        return cache.replace(k=jax.vmap(fk)(cache.k), v=jax.vmap(fv)(cache.v))
+    return cache.replace(k=tuple(map(fk, cache.k)), v=tuple(map(fv, cache.v)))
 
 
 def check_capacity(capacity: int, needed: int, what: str = 'cache capacity') -> None:
@@ -72,21 +84,35 @@ def init_cache(
             '(TransformerConfig.max_len bounds every position, scratch positions included)'
         )
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch_size, capacity, cfg.n_kv_heads, cfg.head_dim)
+    k_shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
+    v_shape = (batch_size, cfg.n_kv_heads, cfg.head_dim, capacity)
     if lengths is None:
         lengths = jnp.zeros((batch_size,), jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     if cfg.scan_layers:
-        stacked = (cfg.n_layers, *shape)
-        return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype), lengths=lengths)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-    return KVCache(k=zeros(), v=zeros(), lengths=lengths)
+        layers = lambda shape: jnp.zeros((cfg.n_layers, *shape), dtype)
+        return KVCache(k=layers(k_shape), v=layers(v_shape), lengths=lengths)
+    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+    return KVCache(k=zeros(k_shape), v=zeros(v_shape), lengths=lengths)
 
 
-def write(cache_BCKD, new_BTKD, lengths_B):
-    """Writes each row's T new entries at that row's length."""
-    update = lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0))
-    return jax.vmap(update)(cache_BCKD, new_BTKD.astype(cache_BCKD.dtype), lengths_B)
+def _scatter_rows(cache, new, lengths_B, axis: int):
+    """cache [B, ...] with each row's T entries of `new` (the same layout, T on `axis`) written
+    at positions lengths[b] + t of its capacity `axis` (an in-place scatter)."""
+    positions_BT = lengths_B[:, None] + jnp.arange(new.shape[axis], dtype=jnp.int32)[None, :]
+    index = (slice(None),) * (axis - 1)
+    update = lambda c, n, p: c.at[(*index, p)].set(n, unique_indices=True, indices_are_sorted=True)
+    return jax.vmap(update)(cache, new.astype(cache.dtype), positions_BT)
+
+
+def write_keys(cache_BKCD, new_BTKD, lengths_B):
+    """Writes each row's T new keys at that row's length (keys are stored [B, K, C, D])."""
+    return _scatter_rows(cache_BKCD, jnp.transpose(new_BTKD, (0, 2, 1, 3)), lengths_B, 2)
+
+
+def write_values(cache_BKDC, new_BTKD, lengths_B):
+    """Writes each row's T new values at that row's length (values are stored [B, K, D, C])."""
+    return _scatter_rows(cache_BKDC, jnp.transpose(new_BTKD, (0, 2, 3, 1)), lengths_B, 3)
 
 
 def cached_mask(lengths_B, num_new: int, capacity: int):
@@ -95,15 +121,18 @@ def cached_mask(lengths_B, num_new: int, capacity: int):
     return jnp.arange(capacity)[None, None, :] <= query_pos[:, :, None]
 
 
-def gather_window(cache_BCKD, starts_B, order_BW):
-    """Per row, rewrites the W entries from starts[b] as entries starts[b] + order[b, :].
+def gather_window(cache_B, starts_B, order_BW, axis: int):
+    """Per row, rewrites the W entries from starts[b] along the capacity `axis` (of the batched
+    array: 2 for keys, 3 for values) as entries starts[b] + order[b, :].
 
     Compacts a kept path of tree nodes into place (order[b, j] = where the j-th kept entry
     sits, relative to starts[b]); entries past what a row keeps are don't-care.
     """
+    row_axis = axis - 1
 
     def one(c, s, o):
-        window = jax.lax.dynamic_slice_in_dim(c, s, o.shape[0], axis=0)
-        return jax.lax.dynamic_update_slice_in_dim(c, window[o], s, axis=0)
+        window = jax.lax.dynamic_slice_in_dim(c, s, o.shape[0], axis=row_axis)
+        moved = jnp.take(window, o, axis=row_axis)
+        return jax.lax.dynamic_update_slice_in_dim(c, moved, s, axis=row_axis)
 
-    return jax.vmap(one)(cache_BCKD, starts_B, order_BW)
+    return jax.vmap(one)(cache_B, starts_B, order_BW)

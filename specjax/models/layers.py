@@ -74,20 +74,22 @@ def rope(x_BTHD, positions_BT, inv_freq):
     return (x * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x_BTHD.dtype)
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+def attend(q_BTHD, k_BKSD, v_BKDS, mask_BTS):
     """Grouped-query attention of T queries over S keys; softmax in float32.
 
-    H query heads share K = n_kv_heads key/value heads in groups of H // K. Masked-out keys get
-    a large negative score (a fully masked row yields a harmless uniform average, never NaN).
+    H query heads share K = n_kv_heads key/value heads in groups of H // K; keys come as
+    [B, K, S, D] and values as [B, K, D, S] (the KV cache's layout: each contraction reads its
+    operand with the contracted axis minor-most, in place). Masked-out keys get a large negative
+    score (a fully masked row yields a harmless uniform average, never NaN).
     """
     b, t, h, d = q_BTHD.shape
-    kv = k_BSKD.shape[2]
+    kv = k_BKSD.shape[1]
     q = q_BTHD.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum('btkgd,bskd->bkgts', q, k_BSKD, preferred_element_type=jnp.float32)
+    scores = jnp.einsum('btkgd,bksd->bkgts', q, k_BKSD, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(d))
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
-    out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BSKD)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKDS.dtype)
+    out = jnp.einsum('bkgts,bkds->btkgd', probs, v_BKDS)
     return out.reshape(b, t, h, d)
 
 
@@ -124,10 +126,13 @@ class Attention(nnx.Module):
     def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
         """-> (output [B, T, E], (k, v)). Without cache_kv attends within the T tokens; with
         (k, v) caches writes this call's keys and values at lengths_B and attends over them."""
-        q, k, v = self.project_qkv(x_BTE, positions_BT)
-        if cache_kv is not None:
-            k = kvc.write(cache_kv[0], k, lengths_B)
-            v = kvc.write(cache_kv[1], v, lengths_B)
+        q, k_BTKD, v_BTKD = self.project_qkv(x_BTE, positions_BT)
+        if cache_kv is None:
+            k = jnp.transpose(k_BTKD, (0, 2, 1, 3))  # [B, K, T, D]
+            v = jnp.transpose(v_BTKD, (0, 2, 3, 1))  # [B, K, D, T]
+        else:  # the cache's heads-major layout (specjax.models.kv_cache)
+            k = kvc.write_keys(cache_kv[0], k_BTKD, lengths_B)
+            v = kvc.write_values(cache_kv[1], v_BTKD, lengths_B)
         return self.project_out(attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)), (k, v)
 
 

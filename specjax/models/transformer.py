@@ -85,7 +85,7 @@ class Transformer(nnx.Module):
     def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache, feature_layers=()):
         """The stacked blocks as one `lax.scan` body over their leading layer axis.
 
-        The cache is stacked too ([n_layers, B, capacity, K, D], `init_cache` for this config)
+        The cache is stacked too (a leading n_layers axis, `init_cache` for this config)
         and rides in the scan's carry: layer i reads its slice and writes it back at i, an
         in-place update of the loop state (no copy of the whole cache per call). Features: the
         scan also emits every layer's output [n_layers, B, T, E] (only when asked), then the
@@ -94,7 +94,7 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         if cache is not None and not cache.stacked:
             raise ValueError(
-                'a scan_layers model takes a stacked KV cache ([n_layers, B, capacity, K, D]): '
+                'a scan_layers model takes a stacked KV cache (a leading n_layers axis): '
                 'build it with init_cache(config, ...)'
             )
         lengths = None if cache is None else cache.lengths

@@ -89,8 +89,12 @@ def check_divisible(params, shardings) -> None:
                 )
 
 
-# Logical axes of the KV cache arrays (k and v per layer, and the per-row lengths).
-CACHE_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
+# Logical axes of the KV cache arrays (specjax.models.kv_cache's heads-major layout: keys
+# [B, K, capacity, D], values [B, K, D, capacity]) and of the per-row lengths. CACHE_AXES: every
+# logical axis a cache uses (each needs a rule).
+KEY_AXES = ('batch', 'kv_heads', 'length', 'head_dim')
+VALUE_AXES = ('batch', 'kv_heads', 'head_dim', 'length')
+CACHE_AXES = KEY_AXES
 LENGTHS_AXES = ('batch',)
 
 
@@ -110,19 +114,19 @@ def _divisible_spec(spec, shape, mesh) -> PartitionSpec:
 
 
 def cache_shardings(mesh, rules, cache):
-    """Shardings of a KVCache: [B, capacity, K, D] over CACHE_AXES (a stacked cache's leading
-    layer axis unsharded), lengths over the batch.
+    """Shardings of a KVCache: keys over KEY_AXES, values over VALUE_AXES (a stacked cache's
+    leading layer axis unsharded), lengths over the batch.
 
     A dimension that does not divide over its mesh axes (kv heads of a small draft) replicates.
     """
-    spec = logical_to_spec(CACHE_AXES, rules)
     lengths = NamedSharding(mesh, logical_to_spec(LENGTHS_AXES, rules))
-    if cache.stacked:  # [n_layers, B, capacity, K, D]: the layer axis whole
-        stacked = PartitionSpec(None, *spec)
-        kv = lambda x: NamedSharding(mesh, _divisible_spec(stacked, x.shape, mesh))
-        return type(cache)(k=kv(cache.k), v=kv(cache.v), lengths=lengths)
-    kv = lambda x: NamedSharding(mesh, _divisible_spec(spec, x.shape, mesh))
-    return type(cache)(k=tuple(map(kv, cache.k)), v=tuple(map(kv, cache.v)), lengths=lengths)
+    lead = (None,) if cache.stacked else ()  # a stacked cache's layer axis: whole
+    specs = [PartitionSpec(*lead, *logical_to_spec(a, rules)) for a in (KEY_AXES, VALUE_AXES)]
+    shard = lambda spec: lambda x: NamedSharding(mesh, _divisible_spec(spec, x.shape, mesh))
+    fk, fv = shard(specs[0]), shard(specs[1])
+    if cache.stacked:
+        return type(cache)(k=fk(cache.k), v=fv(cache.v), lengths=lengths)
+    return type(cache)(k=tuple(map(fk, cache.k)), v=tuple(map(fv, cache.v)), lengths=lengths)
 
 
 def constrain_cache(cache, mesh, rules):

@@ -152,4 +152,4 @@ def walk(tree: DraftedTree, p_BNV, uniform_BN1, uniform_B, *, depth: int, greedy
 
 def compact(cache, starts_B, order_BW):
     """Rewrites each row's W entries from starts[b] as starts[b] + order[b, :] (kv_cache)."""
-    return map_layers(lambda c: gather_window(c, starts_B, order_BW), cache)
+    return map_layers(lambda c, axis: gather_window(c, starts_B, order_BW, axis), cache)
