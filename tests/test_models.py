@@ -218,4 +218,3 @@ def test_cached_verification_reads_the_cache_and_weights_in_place():
             assert shape not in weights, (width, op, shape, 'a weight')
             if op == 'transpose':
                 assert sorted(shape) != sorted((1, 3, 256, 64)), (width, shape, 'a cache layer')
-
