@@ -4,8 +4,11 @@ from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_accep
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
 from specjax.sampling.common import SampleOutput, check_same_tokenizer
 from specjax.sampling.emit import PAD_ID
+from specjax.sampling.grammar import Grammar
 from specjax.sampling.guards import NonFiniteLogitsError
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
+from specjax.sampling.stops import Stops
+from specjax.sampling.task import FinishReason
 from specjax.sampling.transforms import (
     SamplingConfig,
     TracedSampling,
@@ -22,11 +25,14 @@ __all__ = [
     'RULES',
     'Acceptance',
     'DynamicTree',
+    'FinishReason',
+    'Grammar',
     'as_acceptance',
     'NonFiniteLogitsError',
     'PAD_ID',
     'SampleOutput',
     'SamplingConfig',
+    'Stops',
     'TracedSampling',
     'autoregressive_sample',
     'chain',

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models import KVCache, init_cache, split
-from specjax.sampling import common, drafters, emit, guards, proposals
+from specjax.sampling import common, constrain, drafters, emit, guards, proposals, task
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -71,6 +71,7 @@ class SpeculativeState:
     nonfinite_target: jax.Array = False  # defaults: states built outside the samplers
     nonfinite_draft: jax.Array = False
     dfeed: Any = ()
+    task: Any = ()  # a task.TaskState under stops or a grammar
 
 
 def speculative_sample(
@@ -91,6 +92,8 @@ def speculative_sample(
     draft_rules=None,
     check_finite: bool = True,
     stop_below: float | None = None,
+    grammar=None,
+    stops=None,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
 
@@ -107,7 +110,9 @@ def speculative_sample(
     `nonfinite_target` / `nonfinite_draft`; specjax.sampling.guards). `check_finite=False`
     turns the in-loop check off (cost measurement only). `stop_below` h in [0, 1]: a row stops
     proposing in a round after a proposal its draft gives probability < h (at most k;
-    specjax.sampling.proposals); the output law is unchanged.
+    specjax.sampling.proposals); the output law is unchanged. `stops` / `grammar` as in
+    autoregressive_sample: both models' distributions are masked at the grammar state along the
+    drafted prefix and verification is exact for the constrained target law; `finish_reason`.
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = split(draft)
@@ -125,6 +130,8 @@ def speculative_sample(
         draft_rules=draft_rules,
         check_finite=check_finite,
         stop_below=stop_below,
+        grammar=grammar,
+        stops=stops,
     )
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
@@ -145,6 +152,8 @@ def make_speculative_fn(
     dynamic_sampling: bool = False,
     check_finite: bool = True,
     stop_below: float | None = None,
+    grammar=None,
+    stops=None,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -168,6 +177,7 @@ def make_speculative_fn(
     d_vocab = common.config_of(draft_graphdef).vocab_size
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
+    tables = task.build(grammar, stops, t_vocab, 'speculative_sample')
     acc = as_acceptance(acceptance)
     stop_below = proposals.check_stop_below(stop_below)
     if _bug not in _BUGS:
@@ -189,7 +199,7 @@ def make_speculative_fn(
         drafter,
         stop_below,
     )
-    return program.with_sampling(sampling, dynamic_sampling, eos_id)
+    return program.with_sampling(sampling, dynamic_sampling, eos_id).with_task(tables)
 
 
 @functools.lru_cache(maxsize=64)
@@ -230,23 +240,24 @@ def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, values, *, k, max_new, acc, vocab,
     bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
 ):  # fmt: skip
-    """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
-    same tokens) and an emit.Stop (max_new: the buffer's size at most)."""
-    sampling, stop = values
+    """The sampler's body; values (sampling, stop[, task]): a TracedSampling (or a static
+    SamplingConfig: same tokens), an emit.Stop (max_new: the buffer's size at most) and an
+    optional task.TaskTables."""
+    sampling, stop, con = constrain.unpack(values, prompts.shape[0], vocab.target_vocab)
     state = initial_state(
         tgd, dgd, tparams, dparams, prompts, prompt_lengths, k=k, max_new=max_new, vocab=vocab,
         layout=layout, drafter=drafter,
     )  # fmt: skip
+    state = state if con is None else state.replace(task=con.initial())
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, stop=stop, sampling=sampling, acc=acc,
         vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter, stop_below=stop_below,
+        con=con,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return common.SampleOutput(
-        tokens=emit.finish_tokens(state.out, state.emitted, max_new),
-        lengths=state.emitted,
-        stats=_stats(state, k),
-    )
+    tokens = emit.finish_tokens(state.out, state.emitted, max_new)
+    finish, extra = constrain.outputs(con, state.task, tokens, state.emitted, stop.eos_id)
+    return common.SampleOutput(tokens, state.emitted, _stats(state, k) | extra, finish)
 
 
 def initial_state(
@@ -280,7 +291,7 @@ def initial_state(
 
 def _round(
     tgd, dgd, tparams, dparams, rng, state, *, k, stop, sampling, acc, vocab, bug,
-    check_finite=True, drafter, stop_below=None,
+    check_finite=True, drafter, stop_below=None, con=None,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
@@ -289,11 +300,15 @@ def _round(
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
     x_BK, q_BKV, m, fed, dcarry, draft_bad = proposals.propose(
         drafter, dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
-        vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below,
+        vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below, con=con,
     )  # fmt: skip
 
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
     logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
+    target_bad = guards.any_nonfinite(logits, active, check_finite)
+    if con is not None:  # p~: masked at the grammar state along the drafted prefix
+        g_BK1 = con.walk(state.task.grammar, x_BK)
+        logits = con.logits(logits, g_BK1, state.emitted[:, None] + jnp.arange(k + 1)[None])
     greedy = is_greedy(sampling)
 
     def stopped(verified, bonus):  # rows that proposed m < k: bonus(p_{m+1} [B, V]) [B]
@@ -321,13 +336,16 @@ def _round(
 
     # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
     num_acc, next_token = branch(greedy, greedy_test, test, logits)
-    target_bad = guards.any_nonfinite(logits, active, check_finite)
 
-    # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
+    # Emit x_1..x_n and the replacement/bonus, cut at eos (or the task's stops) and max_new.
     count, hit_eos, emitted, out = emit.emit_round(
         x_BK, num_acc, next_token, state.out, state.emitted, act, max_new=stop.max_new,
-        eos_id=stop.eos_id,
+        eos_id=stop.eos_id if con is None else None,
     )  # fmt: skip
+    tstate = state.task
+    if con is not None:
+        count, hit_eos, tstate = con.cut_round(state, g_BK1, x_BK, num_acc, next_token, count)
+        emitted = state.emitted + count * act
 
     # Proposals count as examined/accepted only where they sit inside the row's output.
     i = jnp.arange(k)[None, :]
@@ -358,6 +376,7 @@ def _round(
         nonfinite_target=state.nonfinite_target | target_bad,
         nonfinite_draft=state.nonfinite_draft | draft_bad,
         dfeed=dfeed,
+        task=tstate,
     )
 
 
