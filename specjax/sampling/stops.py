@@ -13,6 +13,8 @@ the bytes of every row's strings (A states: one per distinct prefix) and, for ea
 token v, the state after feeding v's bytes (`ac_next_AV` int32 [A, V]) and the bitmask of strings
 completed on the way (`ac_hit_AV` uint32 [A, V]); a row's own strings are a bitmask
 (`strings_R`), so rows may stop on different strings. One table lookup per generated token.
+The automaton's states are padded to a power of two (at least 8) and each row's stop ids to a
+multiple of 4, so stops of similar sizes share one compiled program.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def stop_tables(
     ids = [
         list(dict.fromkeys((*(s.token_ids if s else ()), *extra_ids))) or [-1] for s in rows
     ]  # fmt: skip
-    width = max(len(i) for i in ids)
+    width = -(-max(len(i) for i in ids) // 4) * 4  # padded: similar stops share a program
     ids_RI = np.array([i + [-1] * (width - len(i)) for i in ids], np.int32)
     min_new_R = np.array([s.min_new_tokens if s else 0 for s in rows], np.int32)
     strings = list(dict.fromkeys(x for s in present for x in s.strings))
@@ -115,15 +117,18 @@ def stop_tables(
     index = {s: i for i, s in enumerate(strings)}
     masks = [sum(1 << index[x] for x in s.strings) if s else 0 for s in rows]
     delta, out = automaton([s.encode('utf-8') for s in strings])
-    need = len(delta) * vocab_size * 8
+    states = max(8, 1 << (len(delta) - 1).bit_length())  # padded to a power of two, as above
+    need = states * vocab_size * 8
     if need > max_bytes:
         raise ValueError(
-            f'stops: the stop-string tables need {need / 2**20:.1f} MiB ({len(delta)} automaton '
+            f'stops: the stop-string tables need {need / 2**20:.1f} MiB ({states} automaton '
             f'states x {vocab_size} tokens), over {max_bytes / 2**20:.1f} MiB: use fewer or '
             'shorter stop strings'
         )
     pieces = present[0].pieces + (b'',) * (vocab_size - present[0].vocab_size)
     next_AV, hit_AV = token_transitions(delta, out, pieces)
+    pad = ((0, states - len(delta)), (0, 0))  # states no token reaches
+    next_AV, hit_AV = np.pad(next_AV, pad), np.pad(hit_AV, pad)
     return tables.replace(
         strings_R=np.array(masks, np.uint32), ac_next_AV=next_AV, ac_hit_AV=hit_AV
     )
