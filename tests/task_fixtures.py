@@ -42,6 +42,14 @@ class PieceTokenizer:
         return {'kind': 'pieces', 'vocab_size': self.vocab_size, 'hash': digest}
 
 
+# 259 printable pieces: 95 single characters, then two-letter ones (strings span 1-3 tokens);
+# the size of ByteTokenizer's vocabulary.
+TEXT = PieceTokenizer(
+    [''] * 3 + [chr(32 + j) if j < 95 else chr(97 + j % 26) + chr(97 + j // 26 % 26)
+                for j in range(256)]
+)  # fmt: skip
+
+
 def first_stop(pieces, tokens, strings=(), token_ids=(), min_new=0):
     """Reference on decoded bytes: (length, reason) where a row of `tokens` ends: after the first
     token at index >= min_new that is a stop id ('token') or whose bytes complete a stop string

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from sampling_models import make_model, perturbed, tiny_config
-from task_fixtures import PieceTokenizer, first_stop
+from task_fixtures import TEXT, PieceTokenizer, first_stop
 
 from specjax.models import split
 from specjax.sampling import (
@@ -88,11 +88,6 @@ def test_every_tokenisation_of_a_string_completes_it():
 
 # --- the samplers -----------------------------------------------------------------------------
 
-# 259 printable pieces: 95 single characters, then two-letter ones (strings span 1-3 tokens).
-TEXT = PieceTokenizer(
-    [''] * 3 + [chr(32 + j) if j < 95 else chr(97 + j % 26) + chr(97 + j // 26 % 26)
-                for j in range(256)]
-)  # fmt: skip
 CONFIG = tiny_config(TEXT.vocab_size, max_len=64)
 TARGET = make_model(CONFIG, seed=0, scale=4.0)
 DRAFT = perturbed(TARGET, seed=1, noise=0.3)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.sampling import emit
 from specjax.sampling.task import FinishReason, TaskState, TaskTables, finish_from_eos
@@ -203,13 +202,3 @@ def outputs(con, state: TaskState, tokens_BN, lengths_B, eos_id) -> tuple:
     if con is None:
         return finish_from_eos(tokens_BN, lengths_B, eos_id), {}
     return state.finish, {'row_grammar_state': state.grammar}
-
-
-def host_states(grammar, tokens_BN, lengths_B) -> np.ndarray:
-    """Reference (tests): each row's dense grammar state after its tokens, by outlines-core's
-    index (`Grammar.walk`); -1 where a token is not allowed."""
-    out = []
-    for row, n in zip(np.asarray(tokens_BN), np.asarray(lengths_B)):
-        walked = grammar.walk(row[:n])
-        out.append(-1 if walked is None else (walked[-1] if walked else 0))
-    return np.array(out)

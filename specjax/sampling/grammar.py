@@ -14,8 +14,10 @@ compiled loop (`GrammarTables`, S states, V token ids, W = ceil(V / 32)):
 - `final_S` bool [S]: accepting states (the output may end here: eos and stop tokens allowed);
   `terminal_S` bool [S]: accepting states with no way on, where a row ends at once.
 
-State 0 is the start. The arrays' bytes (`nbytes`) must fit `max_bytes` (default
-DEFAULT_MAX_BYTES), checked when the grammar is built. Special tokens (b'' bytes) never match.
+State 0 is the start. States and transitions are padded (`_bucket`: at most 25% more) so grammars
+of similar sizes share a compiled program; a lookup bisects ceil(log2(V + 1)) times whatever
+the grammar. The arrays' bytes (`nbytes`) must fit `max_bytes` (default DEFAULT_MAX_BYTES),
+checked when the grammar is built. Special tokens (b'' bytes) never match.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ DEFAULT_MAX_BYTES = 256 << 20  # device bytes one grammar's tables may take
 @struct.dataclass
 class GrammarTables:
     """The automaton as jit arguments (see the module docstring); `steps` (static): bisection
-    steps that find any token in a state's row (ceil(log2(longest row + 1)))."""
+    steps that find any token in a row of up to V tokens (ceil(log2(V + 1)))."""
 
     allowed_SW: np.ndarray
     offsets_S1: np.ndarray
@@ -100,21 +102,29 @@ class Grammar:
         return cls(tokenizer, regex, kind='json_schema', source=text, max_bytes=max_bytes)
 
     def _compile(self, max_bytes):
+        """outlines-core's transitions -> the padded numpy GrammarTables (module docstring)."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral):
             raise ValueError(f'Grammar max_bytes must be an int, got {max_bytes!r}')
         raw = self._index.get_transitions()
         start = self._index.get_initial_state()
         order = [start] + sorted(s for s in raw if s != start)
         self._dense = {s: i for i, s in enumerate(order)}
-        finals = set(self._index.get_final_states())
+        dense_of = np.zeros(max(order) + 1, np.int64)
+        dense_of[order] = np.arange(len(order))
         n, words = len(order), -(-self.vocab_size // 32)
-        rows = []
-        for s in order:
-            row = sorted((t, self._dense[nxt]) for t, nxt in raw.get(s, {}).items())
-            rows.append([(t, nxt) for t, nxt in row if t != self.eos_id])
-        sizes = np.array([len(r) for r in rows], np.int64)
-        total = int(sizes.sum())
-        estimate = n * words * 4 + (n + 1) * 4 + total * 8 + 2 * n
+        edges = [
+            (np.full(len(raw.get(s, {})), i), np.fromiter(raw.get(s, {}).keys(), np.int64),
+             dense_of[np.fromiter(raw.get(s, {}).values(), np.int64)])
+            for i, s in enumerate(order)
+        ]  # fmt: skip
+        src, tok, dst = (np.concatenate(a) for a in zip(*edges, strict=True))
+        keep = tok != self.eos_id  # eos: allowed where a state accepts, with the stop tokens
+        src, tok, dst = src[keep], tok[keep], dst[keep]
+        by_row = np.lexsort((tok, src))
+        src, tok, dst = src[by_row], tok[by_row], dst[by_row]
+        sizes, total = np.bincount(src, minlength=n), len(tok)
+        n_pad, t_pad = _bucket(n), _bucket(max(total, 1))
+        estimate = n_pad * words * 4 + (n_pad + 1) * 4 + t_pad * 8 + 2 * n_pad
         if estimate > max_bytes:
             raise ValueError(
                 f'Grammar.from_{self.kind}: {_short(self.source)} needs {estimate / 2**20:.1f} MiB '
@@ -122,21 +132,22 @@ class Grammar:
                 f', over max_bytes={max_bytes} ({max_bytes / 2**20:.1f} MiB): simplify it '
                 '(bound string lengths, fewer optional parts) or raise max_bytes'
             )
-        offsets = np.zeros(n + 1, np.int32)
-        offsets[1:] = np.cumsum(sizes)
-        flat = np.array([p for r in rows for p in r], np.int32).reshape(-1, 2)
-        tokens, nxt = flat[:, 0].copy(), flat[:, 1].copy()
-        state_of = np.repeat(np.arange(n), sizes)
-        bits = np.zeros((n, words), np.uint32)
-        np.bitwise_or.at(
-            bits, (state_of, tokens // 32), np.uint32(1) << (tokens % 32).astype(np.uint32)
-        )
-        final = np.array([s in finals for s in order])
-        self.num_states = n
+        offsets = np.full(n_pad + 1, total, np.int32)
+        offsets[: n + 1] = np.concatenate([[0], np.cumsum(sizes)])
+        tokens = np.full(t_pad, self.vocab_size, np.int32)  # padding: in no state's row
+        nxt = np.zeros(t_pad, np.int32)
+        tokens[:total], nxt[:total] = tok, dst
+        bits = np.zeros((n_pad, words), np.uint32)
+        np.bitwise_or.at(bits, (src, tok // 32), np.uint32(1) << (tok % 32).astype(np.uint32))
+        final = np.zeros(n_pad, bool)
+        finals = set(self._index.get_final_states())
+        final[:n] = [s in finals for s in order]
+        terminal = final.copy()
+        terminal[:n] &= sizes == 0
+        self.num_states, self.num_transitions = n, total
         self.tables = GrammarTables(
             allowed_SW=bits, offsets_S1=offsets, tokens_T=tokens, next_T=nxt, final_S=final,
-            terminal_S=final & (sizes == 0),
-            steps=max(1, int(np.ceil(np.log2(int(sizes.max(initial=0)) + 1)))),
+            terminal_S=terminal, steps=int(self.vocab_size).bit_length(),
         )  # fmt: skip
 
     @property
@@ -195,8 +206,15 @@ class Grammar:
     def __repr__(self) -> str:
         return (
             f'Grammar({self.kind}={_short(self.source)}, states={self.num_states}, '
-            f'transitions={len(self.tables.tokens_T)}, {self.nbytes / 2**20:.2f} MiB)'
+            f'transitions={self.num_transitions}, {self.nbytes / 2**20:.2f} MiB)'
         )
+
+
+def _bucket(n: int) -> int:
+    """n rounded up to a multiple of 2^(bit_length(n) - 3) (at least 8): at most 25% more, and
+    grammars of similar sizes get the same shapes, so they share a compiled program."""
+    step = max(1, 1 << (int(n).bit_length() - 3))
+    return max(8, -(-int(n) // step) * step)
 
 
 def _short(text: str, limit: int = 80) -> str:
