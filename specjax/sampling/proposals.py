@@ -70,10 +70,12 @@ def propose(
     def draw(uniform_B, logits, g_B=None, i=0):
         """-> (target id [B], q [B, V], whether the row goes on proposing after it); g_B: the
         grammar state before the draw, i its index in the round."""
-        restricted = vocab.restrict(logits)
+        restricted = free = vocab.restrict(logits)
         if con is not None:
             restricted = con.draft_logits(restricted, vocab, g_B, state.emitted + i)
         x, q = branch(greedy, argmax, sample, uniform_B, restricted)
+        if bug == 'unmasked_q':  # wrong: x ~ q~, but the ratio and residual read the unmasked q
+            q = vocab.expand(transform_logits(free, sampling))
         if stop_below is None:
             return vocab.token(x), q, jnp.ones(x.shape, bool)
         confidence = jnp.take_along_axis(jax.nn.softmax(restricted, -1), x[:, None], 1)[:, 0]

@@ -37,6 +37,7 @@ from specjax.sampling.verify import stop_at, take_position, verify, verify_greed
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
 # exactness tests can show their statistics reject them (negative controls).
 _BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal')
+_BUGS += ('unmasked_q',)  # under a grammar: draws from q~ tested against the unmasked q
 
 
 @struct.dataclass
@@ -322,7 +323,7 @@ def _round(
 
     def test(logits):  # the acceptance rule on the transformed p and q
         p_BKV = transform_logits(logits, sampling)
-        if bug in (None, 'stop_drops_proposal'):
+        if bug in (None, 'stop_drops_proposal', 'unmasked_q'):
             verified = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
             draw = lambda lg: inverse_cdf(transform_logits(lg, sampling), noise[:, -1])
             return stopped(verified, draw)
