@@ -212,9 +212,10 @@ class ShardedSampler:
 
     def with_task(self, tables) -> ShardedSampler:
         """This sampler's values with a task.TaskTables (stops, grammar) bound after the
-        sampling values and Stop, placed replicated once (None: the values without a task)."""
+        sampling values and Stop, placed replicated once; None: the values without a task (the
+        same object for the same sampler; a sampler taking only a task gets (None,))."""
         if tables is None:
-            return self.with_values(self.values[:2]) if self.values else self
+            return _untasked(self)
         placed = place_replicated(tables, replicated(self.mesh))
         return self.with_values((*(self.values or ())[:2], placed))
 
@@ -315,6 +316,13 @@ class ShardedSampler:
 def _with_sampling(program: ShardedSampler, sampling: SamplingConfig, dynamic: bool, eos_id):
     stop = stop_values(program.max_new_tokens, eos_id)
     return program.with_values((sampling.traced(dynamic), stop))
+
+
+@functools.lru_cache(maxsize=256)
+def _untasked(program: ShardedSampler) -> ShardedSampler:
+    if program.values is None:
+        return program.with_values((None,))
+    return program if len(program.values) <= 2 else program.with_values(program.values[:2])
 
 
 def place_replicated(tree, sharding):

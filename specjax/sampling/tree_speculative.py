@@ -112,7 +112,7 @@ def make_tree_speculative_fn(
         common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite), siblings,
         rule, vocab, drafter,
     )  # fmt: skip
-    return program.with_values((None,)) if tables is None else program.with_task(tables)
+    return program.with_task(tables)
 
 
 def _check_rule(acceptance, dynamic: bool) -> str:
