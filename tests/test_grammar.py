@@ -22,11 +22,13 @@ from specjax.sampling import (
     DynamicTree,
     FinishReason,
     Grammar,
+    NGramDraft,
     SamplingConfig,
     Stops,
     make_autoregressive_fn,
     make_speculative_fn,
     make_tree_speculative_fn,
+    ngram_tree_paths,
 )
 from specjax.sampling.constrain import next_state
 
@@ -44,7 +46,7 @@ PROMPTS = np.array([[10, 20, 30, 40], [50, 60, 0, 0], [70, 0, 0, 0], [80, 90, 10
 LENGTHS = np.array([4, 2, 1, 3] * 2, np.int32)
 MAX_NEW, K = 40, 3
 TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
-KINDS = ['autoregressive', 'chain', 'tree', 'dynamic']
+KINDS = ['autoregressive', 'chain', 'tree', 'dynamic', 'ngram_chain', 'ngram_tree']
 
 
 @functools.cache
@@ -56,15 +58,16 @@ def grammar(kind='regex'):
 
 def run(kind, sampling, **task):
     tgd, tp = split(TARGET)
-    dgd, dp = split(DRAFT)
+    dgd, dp = (NGramDraft(2, 1), ()) if kind.startswith('ngram') else split(DRAFT)
     if kind == 'autoregressive':
         fn = make_autoregressive_fn(tgd, max_new_tokens=MAX_NEW, sampling=sampling, **task)
         return fn(tp, PROMPTS, LENGTHS, 1)
-    if kind == 'chain':
+    if kind in ('chain', 'ngram_chain'):
         fn = make_speculative_fn(tgd, dgd, num_draft_tokens=K, max_new_tokens=MAX_NEW,
                                  sampling=sampling, **task)  # fmt: skip
     else:
-        tree = TREE if kind == 'tree' else DynamicTree(depth=3, expand=2, nodes=5)
+        tree = {'tree': TREE, 'ngram_tree': ngram_tree_paths(2, K)}.get(kind)
+        tree = DynamicTree(depth=3, expand=2, nodes=5) if tree is None else tree
         fn = make_tree_speculative_fn(tgd, dgd, tree=tree, max_new_tokens=MAX_NEW,
                                       sampling=sampling, **task)  # fmt: skip
     return fn(tp, dp, PROMPTS, LENGTHS, 1)
