@@ -67,6 +67,24 @@ _SCRIPT = textwrap.dedent(
     out = fn(scanned, prompts, lens, max_new_tokens=8, sampling=greedy, rng=0, mesh=mesh,
              rules=mc.rules)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
+  # A grammar and per-row stops (replicated tables, per-row arrays beside the sharded batch).
+  from specjax.sampling import Grammar, Stops
+  class Tok:  # 64 ids: pad 0, eos 1, then the characters '0'..'m'
+    vocab_size, pad_id, bos_id, eos_id = 64, 0, 0, 1
+    def token_bytes(self):
+      return (b'', b'') + tuple(bytes([48 + i]) for i in range(62))
+  tok = Tok()
+  task = dict(grammar=Grammar.from_regex(tok, '([a-f]|[0-9])+;[A-Z]{1,3}'),
+              stops=[Stops(tok, strings=('a1',)), None, Stops(tok, token_ids=(50,)),
+                     Stops(tok, min_new_tokens=2)])
+  ref = autoregressive_sample(nnx.merge(graphdef, params), prompts, lens, max_new_tokens=8,
+                              sampling=greedy, rng=0, **task)
+  for fn in (autoregressive_sample, lambda m, *a, **k: speculative_sample(m, m, *a,
+             num_draft_tokens=2, **k)):
+    out = fn(scanned, prompts, lens, max_new_tokens=8, sampling=greedy, rng=0, mesh=mesh,
+             rules=mc.rules, **task)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.finish_reason, ref.finish_reason)
   print('SHARDED_OK')
   """
 )

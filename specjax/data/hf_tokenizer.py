@@ -104,6 +104,7 @@ class HuggingFaceTokenizer:
                 )
         self.bos_id, self.eos_id, self.pad_id = int(bos_id), int(eos_id), int(pad_id)
         self.chat_template = chat_template
+        self._bytes = None  # token_bytes(), computed on first use
         scheme = f'{self.tokenizer_json}\nbos={bos_id}:eos={eos_id}:pad={pad_id}'
         self._digest = hashlib.sha256(scheme.encode()).hexdigest()
         self._hash = self._digest[:16]
@@ -254,6 +255,31 @@ class HuggingFaceTokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self._tok.id_to_token(int(i))
+
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """Per id the bytes it adds to decoded text: special added tokens b'' (decode keeps
+        them as text, but they are control symbols, not output), other added tokens their text,
+        byte-level BPE pieces through GPT-2's byte alphabet; tokenizers without a ByteLevel
+        decoder fall back to decoding each id alone (exact unless a piece is part of a
+        multi-byte character)."""
+        if self._bytes is None:
+            added = self._tok.get_added_tokens_decoder()
+            inverse = {c: b for b, c in _byte_alphabet().items()}
+            byte_level = json.loads(self.tokenizer_json).get('decoder', {}) or {}
+            byte_level = byte_level.get('type') == 'ByteLevel'
+            out = []
+            for i in range(self.vocab_size):
+                piece = self._tok.id_to_token(i)
+                if i in added:
+                    out.append(b'' if added[i].special else added[i].content.encode('utf-8'))
+                elif piece is None:
+                    out.append(b'')
+                elif byte_level and all(c in inverse for c in piece):
+                    out.append(bytes(inverse[c] for c in piece))
+                else:
+                    out.append(self._tok.decode([i], skip_special_tokens=False).encode('utf-8'))
+            self._bytes = tuple(out)
+        return self._bytes
 
     def identity(self) -> dict:
         return {'kind': 'huggingface', 'vocab_size': self.vocab_size, 'hash': self._hash}

@@ -5,6 +5,13 @@ SentencePiece and byte use pad=0, bos=1, eos=2; every tokenizer exposes encode/d
 vocab_size/pad_id/bos_id/eos_id, `identity()` ({'kind', 'vocab_size', 'hash'}) that
 checkpoints record, and `digest()`: the sha256 hex of its canonical content, the same on every
 machine (results record it: specjax.data.digests). `decode` drops pad/bos/eos.
+
+Stop strings and grammars (specjax.sampling.Stops / Grammar) match the bytes of decoded text,
+so each tokenizer here also gives `token_bytes()`: per token id the UTF-8 bytes it contributes
+to decoded text (b'' for special tokens: pad, bos, eos, control), such that
+b''.join(token_bytes()[i] for i in encode(s)) == s.encode(). `token_bytes(tokenizer)` and
+`vocabulary_digest(tokenizer)` (a hash of those bytes and the eos id: what a grammar was built
+for) accept any tokenizer with that method.
 """
 
 from __future__ import annotations
@@ -47,6 +54,33 @@ class Tokenizer(Protocol):
     def digest(self) -> str: ...
 
 
+def token_bytes(tokenizer) -> tuple[bytes, ...]:
+    """The bytes each token id adds to decoded text (b'' for special ids), vocab_size entries;
+    ValueError naming the tokenizer's type when it cannot tell (no `token_bytes()` method)."""
+    method = getattr(tokenizer, 'token_bytes', None)
+    if method is None:
+        raise ValueError(
+            f'{type(tokenizer).__name__} has no token_bytes(): stop strings and grammars need '
+            'the bytes of every token id (see specjax.data.tokenizers)'
+        )
+    out = tuple(method())
+    if len(out) != tokenizer.vocab_size:
+        raise ValueError(
+            f'{type(tokenizer).__name__}.token_bytes() gave {len(out)} entries for '
+            f'vocab_size={tokenizer.vocab_size}'
+        )
+    return out
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """A 16-hex-digit sha256 of every token's bytes (length-prefixed) and the eos id: equal for
+    tokenizers that decode every id alike, different otherwise."""
+    h = hashlib.sha256(f'eos={tokenizer.eos_id}:n={tokenizer.vocab_size}'.encode())
+    for b in token_bytes(tokenizer):
+        h.update(len(b).to_bytes(4, 'little') + b)
+    return h.hexdigest()[:16]
+
+
 def _num_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
@@ -76,6 +110,10 @@ class ByteTokenizer:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         arr = arr[(arr >= self.OFFSET) & (arr < self.vocab_size)] - self.OFFSET
         return arr.astype(np.uint8).tobytes().decode('utf-8', errors='replace')
+
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """b'' for pad/bos/eos, then the 256 single bytes."""
+        return (b'',) * self.OFFSET + tuple(bytes([b]) for b in range(256))
 
     def identity(self) -> dict:
         return {'kind': 'byte', 'vocab_size': self.vocab_size, 'hash': self.digest()[:16]}
@@ -131,6 +169,20 @@ class SentencePieceTokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
+
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """Byte-fallback pieces (<0xAB>) as that byte, control and unknown pieces as b'', other
+        pieces as UTF-8 with the whitespace marker U+2581 as a space."""
+        out = []
+        for i in range(self.vocab_size):
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif self._sp.is_control(i) or self._sp.is_unknown(i):
+                out.append(b'')
+            else:
+                out.append(piece.replace('\u2581', ' ').encode('utf-8'))
+        return tuple(out)
 
     def identity(self) -> dict:
         return {'kind': 'sentencepiece', 'vocab_size': self.vocab_size, 'hash': self._hash}

@@ -4,9 +4,12 @@ from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_accep
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
 from specjax.sampling.common import SampleOutput, check_same_tokenizer
 from specjax.sampling.emit import PAD_ID
+from specjax.sampling.grammar import Grammar
 from specjax.sampling.guards import NonFiniteLogitsError
 from specjax.sampling.ngram import NGramDraft, ngram_tree_paths
 from specjax.sampling.speculative import make_speculative_fn, speculative_sample
+from specjax.sampling.stops import Stops
+from specjax.sampling.task import FinishReason
 from specjax.sampling.transforms import (
     SamplingConfig,
     TracedSampling,
@@ -23,12 +26,15 @@ __all__ = [
     'RULES',
     'Acceptance',
     'DynamicTree',
+    'FinishReason',
+    'Grammar',
     'as_acceptance',
     'NGramDraft',
     'NonFiniteLogitsError',
     'PAD_ID',
     'SampleOutput',
     'SamplingConfig',
+    'Stops',
     'TracedSampling',
     'autoregressive_sample',
     'chain',

@@ -31,14 +31,16 @@ from specjax.parallel import (
 )
 from specjax.parallel.mesh import resolve_rules
 from specjax.parallel.sharding import check_batch, check_model_on_mesh, constrain_cache
-from specjax.sampling import guards
+from specjax.sampling import guards, task
 from specjax.sampling.emit import stop_values
 from specjax.sampling.transforms import SamplingConfig
 
 
 @struct.dataclass
 class SampleOutput:
-    """tokens int32 [B, max_new_tokens] (PAD_ID after a row's end); lengths int32 [B]; stats.
+    """tokens int32 [B, max_new_tokens] (PAD_ID after a row's end); lengths int32 [B]; stats;
+    finish_reason int32 [B]: why each row ended (specjax.sampling.FinishReason: LENGTH,
+    STOP_TOKEN, STOP_STRING, GRAMMAR; None only in outputs built outside the samplers).
 
     stats maps names to arrays. Per row ([B], or [B, k] per position): `row_rounds` rounds in
     which the row was active (one target verification each; for autoregressive sampling one
@@ -50,12 +52,14 @@ class SampleOutput:
     Totals without the `row_` prefix are sums over rows; `batch_rounds` is the number of batched
     rounds the loop ran (the slowest row's). Block efficiency tau = emitted / rounds.
     `nonfinite_target` / `nonfinite_draft` (bool scalars): a model's logits held NaN or inf in
-    an active row (specjax.sampling.guards; the samplers raise on concrete results).
+    an active row (specjax.sampling.guards; the samplers raise on concrete results). Under a
+    grammar, `row_grammar_state` [B]: the automaton's state after the row's tokens.
     """
 
     tokens: jax.Array
     lengths: jax.Array
     stats: dict[str, jax.Array]
+    finish_reason: jax.Array | None = None
 
 
 def config_of(graphdef) -> TransformerConfig:
@@ -209,8 +213,17 @@ class ShardedSampler:
                 f'with_max_new({max_new}): needs a sampler with values and max_new <= its '
                 f'max_new_tokens={self.max_new_tokens}'
             )
-        sampling, stop = self.values
-        return self.with_values((sampling, stop.replace(max_new=np.int32(n))))
+        sampling, stop, *rest = self.values
+        return self.with_values((sampling, stop.replace(max_new=np.int32(n)), *rest))
+
+    def with_task(self, tables) -> ShardedSampler:
+        """This sampler's values with a task.TaskTables (stops, grammar) bound after the
+        sampling values and Stop, placed replicated once; None: the values without a task (the
+        same object for the same sampler; a sampler taking only a task gets (None,))."""
+        if tables is None:
+            return _untasked(self)
+        placed = place_replicated(tables, replicated(self.mesh))
+        return self.with_values((*(self.values or ())[:2], placed))
 
     @property
     def _jitted(self):
@@ -293,6 +306,7 @@ class ShardedSampler:
             guards.check_prompt_ids(prompts, prompt_lengths, vocab, f'{self.name} {who}')
         self.check(width)
         check_batch(local_batch * jax.process_count(), self.mesh, self.rules)
+        task.check_rows(self.values, local_batch * jax.process_count(), self.name)
         batch_spec = self._build(params)
         placed = jax.device_put(params, list(self._shardings[: len(params)]))
         rows = [
@@ -308,6 +322,13 @@ class ShardedSampler:
 def _with_sampling(program: ShardedSampler, sampling: SamplingConfig, dynamic: bool, eos_id):
     stop = stop_values(program.max_new_tokens, eos_id)
     return program.with_values((sampling.traced(dynamic), stop))
+
+
+@functools.lru_cache(maxsize=256)
+def _untasked(program: ShardedSampler) -> ShardedSampler:
+    if program.values is None:
+        return program.with_values((None,))
+    return program if len(program.values) <= 2 else program.with_values(program.values[:2])
 
 
 def place_replicated(tree, sharding):
@@ -335,7 +356,8 @@ def _pinned_output(core, batch_spec, rep, *args) -> SampleOutput:
     out = core(*args)
     pin = jax.lax.with_sharding_constraint
     stats = {k: pin(v, batch_spec if k.startswith('row_') else rep) for k, v in out.stats.items()}
-    return SampleOutput(pin(out.tokens, batch_spec), pin(out.lengths, batch_spec), stats)
+    finish = None if out.finish_reason is None else pin(out.finish_reason, batch_spec)
+    return SampleOutput(pin(out.tokens, batch_spec), pin(out.lengths, batch_spec), stats, finish)
 
 
 def shard_caches(mesh, caches_and_rules):

@@ -40,11 +40,12 @@ def depths(spec: DynamicTree) -> np.ndarray:
 
 def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: SamplingConfig,
                   vocab: DraftVocab, check_finite: bool, keep_q: bool = False,
-                  drafter=drafters.TOKEN_DRAFTER):  # fmt: skip
+                  drafter=drafters.TOKEN_DRAFTER, con=None):  # fmt: skip
     """Catch-up and D - 1 level calls -> (DraftedTree with N nodes, draft cache with the F fed
     nodes written after the context and its lengths at the context, whether an active row's
     draft logits were non-finite). keep_q: also return q at the root and fed nodes (the
-    negative control's ratio test reads it)."""
+    negative control's ratio test reads it). Under a task (`con`, constrain.Constraint) each
+    node's draft logits are masked at its automaton state, which the tree carries."""
     m, depth = spec.expand, spec.depth
     fed = spec.num_fed
     batch = active.shape[0]
@@ -55,11 +56,17 @@ def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: S
     bad = guards.any_nonfinite(logits, active, check_finite)
     base = dcache.lengths
     level = vocab.restrict(logits)[:, None]  # [B, 1, Vd]: the root
+    task = con is not None
+    if task:
+        root_g = state.task.grammar[:, None]
+        level = con.draft_logits(level, vocab, root_g, state.emitted[:, None])
     qs = [vocab.expand(transform_logits(level, sampling))] if keep_q else []
     score = jax.nn.log_softmax(level / scale, axis=-1)
     tok = top_ranked(score, m)[:, 0]  # [B, m] draft indices
     front_score = jnp.take_along_axis(score[:, 0], tok, axis=1)
     pool_tok, pool_score = [tok], [front_score]
+    front_g = con.advance(jnp.repeat(root_g, m, axis=1), vocab.token(tok)) if task else None
+    pool_g = [front_g]
     pool_parent = [jnp.zeros((batch, m), jnp.int32)]  # pool ids: 0 the root, candidate i at i+1
     first_fed = jnp.arange(m, dtype=jnp.int32) if depth > 1 else jnp.full((m,), -1, jnp.int32)
     pool_fed = [jnp.broadcast_to(first_fed, (batch, m))]
@@ -75,12 +82,16 @@ def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: S
         )
         bad = bad | guards.any_nonfinite(out, active, check_finite)
         level = vocab.restrict(out)  # [B, m, Vd]
+        if task:
+            level = con.draft_logits(level, vocab, front_g, state.emitted[:, None] + d)
         if keep_q:
             qs.append(vocab.expand(transform_logits(level, sampling)))
         score = jax.nn.log_softmax(level / scale, axis=-1)
         kids = top_ranked(score, m)  # [B, m, m]
         kid_score = front_score[:, :, None] + jnp.take_along_axis(score, kids, axis=-1)
         flat_score, flat_tok = kid_score.reshape(batch, m * m), kids.reshape(batch, m * m)
+        if task:
+            pool_g.append(con.advance(jnp.repeat(front_g, m, axis=1), vocab.token(flat_tok)))
         pool_tok.append(flat_tok)
         pool_score.append(flat_score)
         pool_parent.append(jnp.repeat(front, m, axis=1))
@@ -91,6 +102,7 @@ def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: S
             slots = d * m + jnp.arange(m)
             block_fed = block_fed.at[rows, sel].set(slots[None])
             front, front_tok = start + sel, jnp.take_along_axis(flat_tok, sel, axis=1)
+            front_g = jnp.take_along_axis(pool_g[-1], sel, axis=1) if task else None
             parent_anc = jnp.take_along_axis(front_anc, (sel // m)[:, :, None], axis=1)
             front_anc = parent_anc | (jnp.arange(fed)[None, None, :] == slots[None, :, None])
             if h is not None:
@@ -98,13 +110,18 @@ def draft_dynamic(dgd, dparams, state, active, *, spec: DynamicTree, sampling: S
         pool_fed.append(block_fed)
     dcache = dcache.replace(lengths=base)
     cat = lambda xs: jnp.concatenate(xs, axis=1)
-    tree = select(spec, cat(pool_tok), cat(pool_score), cat(pool_parent), cat(pool_fed), vocab)
+    tree, chosen = select(
+        spec, cat(pool_tok), cat(pool_score), cat(pool_parent), cat(pool_fed), vocab
+    )
+    if task:  # the root's state, then each chosen node's
+        chosen_g = jnp.take_along_axis(cat(pool_g), chosen, axis=1)
+        tree = tree.replace(state_BN1=jnp.concatenate([root_g, chosen_g], axis=1))
     return tree.replace(q_BFV=cat(qs) if keep_q else None), dcache, bad
 
 
 def select(spec: DynamicTree, tok_BM, score_BM, parent_BM, fed_BM, vocab: DraftVocab):
-    """The DraftedTree of the N highest-scoring of M candidates (draft indices tok_BM, pool-id
-    parents parent_BM, fed slots fed_BM)."""
+    """(The DraftedTree of the N highest-scoring of M candidates (draft indices tok_BM, pool-id
+    parents parent_BM, fed slots fed_BM), int32 [B, N]: the candidates chosen, in node order)."""
     n, m = spec.nodes, spec.expand
     batch = tok_BM.shape[0]
     rows = jnp.arange(batch)[:, None]
@@ -134,4 +151,4 @@ def select(spec: DynamicTree, tok_BM, score_BM, parent_BM, fed_BM, vocab: DraftV
         fed_slot_BN1=jnp.pad(
             jnp.take_along_axis(fed_BM, chosen, axis=1), ((0, 0), (1, 0)), constant_values=-1
         ),  # fmt: skip
-    )
+    ), chosen

@@ -50,6 +50,14 @@ def first_eos_count(block_BT, count_B, eos_id):
     return jnp.minimum(count_B, first).astype(jnp.int32)
 
 
+def round_block(proposed_BK, num_acc_B, next_token_B):
+    """[B, K + 1]: each row's accepted proposals then its replacement/bonus token, 0 after."""
+    j = jnp.arange(proposed_BK.shape[1] + 1)[None, :]
+    padded = jnp.pad(proposed_BK, ((0, 0), (0, 1)))
+    block = jnp.where(j == num_acc_B[:, None], next_token_B[:, None], 0)
+    return jnp.where(j < num_acc_B[:, None], padded, block)
+
+
 def emit_round(proposed_BK, num_acc_B, next_token_B, out_BN, emitted_B, act_B, *, max_new, eos_id):
     """Writes a round's accepted proposals and its replacement/bonus token into each row's output.
 
@@ -59,9 +67,7 @@ def emit_round(proposed_BK, num_acc_B, next_token_B, out_BN, emitted_B, act_B, *
     masks rows that are already done.
     """
     j = jnp.arange(proposed_BK.shape[1] + 1)[None, :]
-    padded = jnp.pad(proposed_BK, ((0, 0), (0, 1)))
-    block = jnp.where(j == num_acc_B[:, None], next_token_B[:, None], 0)
-    block = jnp.where(j < num_acc_B[:, None], padded, block)
+    block = round_block(proposed_BK, num_acc_B, next_token_B)
     count = jnp.minimum(num_acc_B + 1, max_new - emitted_B)
     count = first_eos_count(block, count, eos_id)
     hit_eos = jnp.zeros(count.shape, bool)

@@ -189,11 +189,13 @@ class NGramDrafter:
         return x, found
 
     def propose(self, dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug,
-                check_finite=True, stop_below=None):  # fmt: skip
+                check_finite=True, stop_below=None, con=None):  # fmt: skip
         """-> (x [B, k], q [B, k, V] one-hot (a [B, k, 1] placeholder when greedy), m [B]: k
         where a match was found else 0, fed 0, carry None, no non-finite logits). `bug`
-        'ngram_soft_q' (a negative control) verifies against 0.5 q + 0.5 uniform instead."""
-        del dgd, dparams, uniform_BK, acc, check_finite, stop_below
+        'ngram_soft_q' (a negative control) verifies against 0.5 q + 0.5 uniform instead. Under
+        a grammar the proposals are not masked: one the grammar forbids has p~(x) = 0 under the
+        constrained target law and is rejected, which keeps the law exact."""
+        del dgd, dparams, uniform_BK, acc, check_finite, stop_below, con  # (a grammar: below)
         x, found = self.lookup(state, k)
         q = (jnp.zeros(x.shape + (1,), jnp.float32) if is_greedy(sampling) is True
              else jax.nn.one_hot(x, vocab.target_vocab, dtype=jnp.float32))  # fmt: skip
@@ -206,10 +208,11 @@ class NGramDrafter:
         """Nothing to roll back: the context grows with the sampler's emitted tokens."""
         return state.dcache, state.prev, state.draft_pending, ()
 
-    def draft_tree(self, state, active, *, t, branches: int):
+    def draft_tree(self, state, active, *, t, branches: int, con=None):
         """A static tree of `branches` chains (tables t) -> DraftedTree whose sibling r holds the
         r-th distinct match's continuation (0-filled where there is none: tested and rejected
-        like any candidate, the rule stays exact)."""
+        like any candidate, the rule stays exact); under a task (`con`) each node carries the
+        automaton state of its path."""
         depth = t.max_depth
         batch = active.shape[0]
         exclude = jnp.full((batch, branches), -1, jnp.int32)
@@ -225,8 +228,15 @@ class NGramDrafter:
         stacked = jnp.stack(chains, axis=1)  # [B, R, D]
         tokens = stacked[:, branch_of[1:], t.depth[1:] - 1]
         wide = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch, *np.shape(a)))
+        states = None
+        if con is not None:  # parents come before their children in node order
+            states = [state.task.grammar]
+            for i in range(1, t.num_nodes + 1):
+                states.append(con.advance(states[t.parent[i]], tokens[:, i - 1]))
+            states = jnp.stack(states, axis=1)
         return DraftedTree(
             tokens_BN=tokens.astype(jnp.int32), depth_BN1=wide(t.depth),
             ancestor_BNN=wide(t.ancestor), children_BNR=wide(t.children),
             fed_slot_BN1=wide(np.full(t.num_nodes + 1, -1, np.int32)), q_BFV=None,
+            state_BN1=states,
         )  # fmt: skip

@@ -33,7 +33,7 @@ def check_stop_below(stop_below) -> float | None:
 
 def propose(
     drafter, dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug,
-    check_finite=True, stop_below=None,
+    check_finite=True, stop_below=None, con=None,
 ):  # fmt: skip
     """Catch-up then the proposals -> (x [B, k], q [B, k, V] they were drawn from, m [B] the
     proposals each row makes (k without stop_below; entries past m are unused), fed (int32
@@ -43,7 +43,8 @@ def propose(
     x_m is left for the next round's catch-up. With `argmax_draft` x_i is q_i's argmax and the
     returned q_i its one-hot. x and q are in the target's vocabulary. Greedy: x_i is the argmax
     and q zeros (greedy verification ignores it; a [B, k, 1] placeholder when greediness is
-    static).
+    static). `con` (a constrain.Constraint): each q_i is masked at the grammar state after
+    x_1..x_{i-1} (the state advanced along the proposals), so q is the constrained q~.
     """
     act = active.astype(jnp.int32)
     nonfinite = lambda lg: guards.any_nonfinite(lg, active, check_finite)
@@ -66,16 +67,22 @@ def propose(
             return inverse_cdf(transform_logits(bf16, sampling), uniform_B), vocab.expand(q)
         return inverse_cdf(q, uniform_B), vocab.expand(q)
 
-    def draw(uniform_B, logits):
-        """-> (target id [B], q [B, V], whether the row goes on proposing after it)."""
-        restricted = vocab.restrict(logits)
+    def draw(uniform_B, logits, g_B=None, i=0):
+        """-> (target id [B], q [B, V], whether the row goes on proposing after it); g_B: the
+        grammar state before the draw, i its index in the round."""
+        restricted = free = vocab.restrict(logits)
+        if con is not None:
+            restricted = con.draft_logits(restricted, vocab, g_B, state.emitted + i)
         x, q = branch(greedy, argmax, sample, uniform_B, restricted)
+        if bug == 'unmasked_q':  # wrong: x ~ q~, but the ratio and residual read the unmasked q
+            q = vocab.expand(transform_logits(free, sampling))
         if stop_below is None:
             return vocab.token(x), q, jnp.ones(x.shape, bool)
         confidence = jnp.take_along_axis(jax.nn.softmax(restricted, -1), x[:, None], 1)[:, 0]
         return vocab.token(x), q, confidence >= stop_below
 
-    x1, q1, going = draw(uniform_BK[:, 0], logits)
+    g = () if con is None else state.task.grammar
+    x1, q1, going = draw(uniform_BK[:, 0], logits, g)
     going = going & active
     xs = jnp.zeros((len(act), k), jnp.int32).at[:, 0].set(x1)
     qs = jnp.zeros((len(act), k, q1.shape[-1]), q1.dtype).at[:, 0].set(q1)
@@ -85,21 +92,22 @@ def propose(
         return (i < k) & jnp.any(going)
 
     def step(loop):
-        i, xs, qs, carry, m, going, bad = loop
+        i, xs, qs, carry, m, going, bad, g = loop
         logits, carry = drafter.step(dgd, dparams, carry, xs[:, i - 1], act, vocab)
-        x, q, goes = draw(jnp.take(uniform_BK, i, axis=1), logits)
+        g = g if con is None else con.advance(g, xs[:, i - 1])
+        x, q, goes = draw(jnp.take(uniform_BK, i, axis=1), logits, g, i)
         xs = jax.lax.dynamic_update_index_in_dim(xs, x, i, axis=1)
         qs = jax.lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
         m = m + going.astype(jnp.int32)
-        return i + 1, xs, qs, carry, m, going & goes, bad | nonfinite(logits)
+        return i + 1, xs, qs, carry, m, going & goes, bad | nonfinite(logits), g
 
     m = jnp.ones((len(act),), jnp.int32)
-    loop = (jnp.int32(1), xs, qs, carry, m, going, nonfinite(logits))
+    loop = (jnp.int32(1), xs, qs, carry, m, going, nonfinite(logits), g)
     if stop_below is None:  # a fixed count: the same steps, unrolled by nothing, no early exit
         loop = jax.lax.fori_loop(1, k, lambda _, lp: step(lp), loop)
     else:
         loop = jax.lax.while_loop(more, step, loop)
-    i, xs, qs, carry, m, going, bad = loop
+    i, xs, qs, carry, m, going, bad, _ = loop
     if bug == 'stop_drops_proposal':  # wrong: the low-confidence x_m is not proposed after all
         m = jnp.where(active & ~going & (m < k), m - 1, m)
     return xs, qs, m, i - 1, carry, bad

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models import KVCache, init_cache, split
-from specjax.sampling import common, drafters, emit, guards, proposals, widths
+from specjax.sampling import common, constrain, drafters, emit, guards, proposals, task, widths
+from specjax.sampling import stats as st
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
@@ -36,10 +37,9 @@ from specjax.sampling.verify import stop_at, take_position, verify, verify_greed
 
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
 # exactness tests can show their statistics reject them (negative controls).
-_BUGS = (
-    None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal',
-    'ngram_soft_q',
-)  # fmt: skip
+_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal')
+_BUGS += ('unmasked_q',)  # under a grammar: draws from q~ tested against the unmasked q
+_BUGS += ('ngram_soft_q',)  # an n-gram draft verified against a smoothed q
 
 
 @struct.dataclass
@@ -74,6 +74,7 @@ class SpeculativeState:
     nonfinite_target: jax.Array = False  # defaults: states built outside the samplers
     nonfinite_draft: jax.Array = False
     dfeed: Any = ()
+    task: Any = ()  # a task.TaskState under stops or a grammar
 
 
 def speculative_sample(
@@ -94,6 +95,8 @@ def speculative_sample(
     draft_rules=None,
     check_finite: bool = True,
     stop_below: float | None = None,
+    grammar=None,
+    stops=None,
 ) -> common.SampleOutput:
     """Samples max_new_tokens per row from `target`'s distribution, proposed by `draft`.
 
@@ -110,7 +113,9 @@ def speculative_sample(
     `nonfinite_target` / `nonfinite_draft`; specjax.sampling.guards). `check_finite=False`
     turns the in-loop check off (cost measurement only). `stop_below` h in [0, 1]: a row stops
     proposing in a round after a proposal its draft gives probability < h (at most k;
-    specjax.sampling.proposals); the output law is unchanged.
+    specjax.sampling.proposals); the output law is unchanged. `stops` / `grammar` as in
+    autoregressive_sample: both models' distributions are masked at the grammar state along the
+    drafted prefix and verification is exact for the constrained target law; `finish_reason`.
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = drafters.split_draft(draft)
@@ -128,6 +133,8 @@ def speculative_sample(
         draft_rules=draft_rules,
         check_finite=check_finite,
         stop_below=stop_below,
+        grammar=grammar,
+        stops=stops,
     )
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
@@ -148,6 +155,8 @@ def make_speculative_fn(
     dynamic_sampling: bool = False,
     check_finite: bool = True,
     stop_below: float | None = None,
+    grammar=None,
+    stops=None,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -171,6 +180,7 @@ def make_speculative_fn(
     d_vocab = drafters.draft_vocab_size(draft_graphdef, t_vocab)
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
+    tables = task.build(grammar, stops, t_vocab, 'speculative_sample')
     acc = as_acceptance(acceptance)
     stop_below = proposals.check_stop_below(stop_below)
     if _bug not in _BUGS:
@@ -192,7 +202,7 @@ def make_speculative_fn(
         drafter,
         stop_below,
     )
-    return program.with_sampling(sampling, dynamic_sampling, eos_id)
+    return program.with_sampling(sampling, dynamic_sampling, eos_id).with_task(tables)
 
 
 @functools.lru_cache(maxsize=64)
@@ -236,23 +246,27 @@ def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, values, *, k, max_new, acc, vocab,
     bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
 ):  # fmt: skip
-    """The sampler's body; values (sampling, stop): a TracedSampling (or a static SamplingConfig:
-    same tokens) and an emit.Stop (max_new: the buffer's size at most)."""
-    sampling, stop = values
+    """The sampler's body; values (sampling, stop[, task]): a TracedSampling (or a static
+    SamplingConfig: same tokens), an emit.Stop (max_new: the buffer's size at most) and an
+    optional task.TaskTables."""
+    sampling, stop, con = constrain.unpack(values, prompts.shape[0], vocab.target_vocab)
     state = initial_state(
         tgd, dgd, tparams, dparams, prompts, prompt_lengths, k=k, max_new=max_new, vocab=vocab,
         layout=layout, drafter=drafter,
     )  # fmt: skip
+    state = state if con is None else state.replace(task=con.initial())
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, stop=stop, sampling=sampling, acc=acc,
         vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter, stop_below=stop_below,
+        con=con,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return common.SampleOutput(
-        tokens=emit.finish_tokens(state.out, state.emitted, max_new),
-        lengths=state.emitted,
-        stats=_stats(state, k, draft_model=not drafter.variable_length),
-    )
+    tokens = emit.finish_tokens(state.out, state.emitted, max_new)
+    finish, extra = constrain.outputs(con, state.task, tokens, state.emitted, stop.eos_id)
+    calls = (state.row_drafted + 1) * int(not drafter.variable_length)  # n-gram: no model
+    flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
+    stats = st.sampler_stats(state, state.row_drafted, calls, flags) | extra
+    return common.SampleOutput(tokens, state.emitted, stats, finish)
 
 
 def initial_state(
@@ -286,7 +300,7 @@ def initial_state(
 
 def _round(
     tgd, dgd, tparams, dparams, rng, state, *, k, stop, sampling, acc, vocab, bug,
-    check_finite=True, drafter, stop_below=None,
+    check_finite=True, drafter, stop_below=None, con=None,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
@@ -295,7 +309,7 @@ def _round(
     noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
     x_BK, q_BKV, m, fed, dcarry, draft_bad = drafter.propose(
         dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
-        vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below,
+        vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below, con=con,
     )  # fmt: skip
 
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
@@ -306,6 +320,10 @@ def _round(
         )
     else:
         logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
+    target_bad = guards.any_nonfinite(logits, active, check_finite)
+    if con is not None:  # p~: masked at the grammar state along the drafted prefix
+        g_BK1 = con.walk(state.task.grammar, x_BK)
+        logits = con.logits(logits, g_BK1, state.emitted[:, None] + jnp.arange(k + 1)[None])
     greedy = is_greedy(sampling)
 
     def stopped(verified, bonus):  # rows that proposed m < k: bonus(p_{m+1} [B, V]) [B]
@@ -319,7 +337,7 @@ def _round(
 
     def test(logits):  # the acceptance rule on the transformed p and q
         p_BKV = transform_logits(logits, sampling)
-        if bug in (None, 'stop_drops_proposal', 'ngram_soft_q'):
+        if bug in (None, 'stop_drops_proposal', 'unmasked_q', 'ngram_soft_q'):
             verified = verify_rule(acc, noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK)
             draw = lambda lg: inverse_cdf(transform_logits(lg, sampling), noise[:, -1])
             return stopped(verified, draw)
@@ -333,13 +351,16 @@ def _round(
 
     # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
     num_acc, next_token = branch(greedy, greedy_test, test, logits)
-    target_bad = guards.any_nonfinite(logits, active, check_finite)
 
-    # Emit x_1..x_n and the replacement/bonus, cut at eos and at max_new_tokens.
+    # Emit x_1..x_n and the replacement/bonus, cut at eos (or the task's stops) and max_new.
     count, hit_eos, emitted, out = emit.emit_round(
         x_BK, num_acc, next_token, state.out, state.emitted, act, max_new=stop.max_new,
-        eos_id=stop.eos_id,
+        eos_id=stop.eos_id if con is None else None,
     )  # fmt: skip
+    tstate = state.task
+    if con is not None:
+        count, hit_eos, tstate = con.cut_round(state, g_BK1, x_BK, num_acc, next_token, count)
+        emitted = state.emitted + count * act
 
     # Proposals count as examined/accepted only where they sit inside the row's output.
     i = jnp.arange(k)[None, :]
@@ -370,24 +391,5 @@ def _round(
         nonfinite_target=state.nonfinite_target | target_bad,
         nonfinite_draft=state.nonfinite_draft | draft_bad,
         dfeed=dfeed,
+        task=tstate,
     )
-
-
-def _stats(state, k, draft_model=True):
-    """Per-row counts and their totals (sums over rows); see `SampleOutput` for the names. A
-    draft without a model (n-gram) makes no draft calls."""
-    rounds = state.row_rounds
-    rows = dict(
-        row_examined_per_position=state.row_examined_per_position,
-        row_accepted_per_position=state.row_accepted_per_position,
-        row_examined=state.row_examined_per_position.sum(-1),
-        row_accepted=state.row_accepted_per_position.sum(-1),
-        row_drafted=state.row_drafted,
-        row_emitted=state.emitted,
-        row_rounds=rounds,
-        row_target_calls=rounds + 1,
-        row_draft_calls=(state.row_drafted + 1) * int(draft_model),
-    )
-    totals = {name[4:]: value.sum(0) for name, value in rows.items()}
-    flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
-    return {**totals, **rows, 'batch_rounds': state.round, **flags}

@@ -311,3 +311,22 @@ def bucket_stats(table: Mapping[str, np.ndarray], keys: Sequence[str]) -> dict[t
 
 def _plain(x):
     return x.item() if hasattr(x, 'item') else x
+
+
+def sampler_stats(state, row_drafted_B, row_draft_calls_B, flags: dict) -> dict:
+    """A chain or tree sampler's per-row counts from its loop state and their totals (sums over
+    rows), named as in `SampleOutput`; `flags`: the state's non-finite flags (guards)."""
+    rounds = state.row_rounds
+    rows = dict(
+        row_examined_per_position=state.row_examined_per_position,
+        row_accepted_per_position=state.row_accepted_per_position,
+        row_examined=state.row_examined_per_position.sum(-1),
+        row_accepted=state.row_accepted_per_position.sum(-1),
+        row_drafted=row_drafted_B,
+        row_emitted=state.emitted,
+        row_rounds=rounds,
+        row_target_calls=rounds + 1,
+        row_draft_calls=row_draft_calls_B,
+    )
+    totals = {name[4:]: value.sum(0) for name, value in rows.items()}
+    return {**totals, **rows, 'batch_rounds': state.round, **flags}

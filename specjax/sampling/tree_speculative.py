@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import init_cache, split
-from specjax.sampling import common, drafters, emit, guards
+from specjax.sampling import common, constrain, drafters, emit, guards, task
 from specjax.sampling import dynamic_tree as dyn
 from specjax.sampling import ngram as ng
 from specjax.sampling import siblings as sib
+from specjax.sampling import stats as st
 from specjax.sampling import tree as tr
 from specjax.sampling.acceptance import as_acceptance
 from specjax.sampling.draft_vocab import check_draft_vocab
@@ -53,7 +54,7 @@ def tree_speculative_sample(
     target, draft, prompts, prompt_lengths, *, tree, max_new_tokens: int,
     sampling: SamplingConfig, rng, eos_id=None, mesh=None, rules=None, draft_rules=None,
     check_finite: bool = True, siblings: str = 'without_replacement', acceptance=None,
-    draft_vocab_ids=None,
+    draft_vocab_ids=None, grammar=None, stops=None,
 ) -> common.SampleOutput:  # fmt: skip
     """Samples max_new_tokens per row from `target`'s distribution with a draft token `tree`.
 
@@ -66,13 +67,14 @@ def tree_speculative_sample(
     T > 0 under `probabilistic`): 'without_replacement' (distinct siblings, recursive rejection
     sampling) or 'iid'. `acceptance`: an exact rule of TREE_RULES (None: `probabilistic` for a
     static tree, `argmax_draft` for a dynamic one, whose candidates are not sampled).
+    `stops` / `grammar` as in speculative_sample; every node carries its automaton state.
     """
     (tgd, tparams), (dgd, dparams) = split(target), drafters.split_draft(draft)
     fn = make_tree_speculative_fn(
         tgd, dgd, tree=tree, max_new_tokens=max_new_tokens,
         sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules, draft_rules=draft_rules,
         check_finite=check_finite, siblings=siblings, acceptance=acceptance,
-        draft_vocab_ids=draft_vocab_ids,
+        draft_vocab_ids=draft_vocab_ids, grammar=grammar, stops=stops,
     )  # fmt: skip
     return fn(tparams, dparams, prompts, prompt_lengths, rng)
 
@@ -80,9 +82,11 @@ def tree_speculative_sample(
 def make_tree_speculative_fn(
     target_graphdef, draft_graphdef, *, tree, max_new_tokens: int, sampling: SamplingConfig,
     eos_id=None, mesh=None, rules=None, draft_rules=None, check_finite: bool = True,
-    siblings: str = 'without_replacement', acceptance=None, draft_vocab_ids=None, _bug=None,
+    siblings: str = 'without_replacement', acceptance=None, draft_vocab_ids=None, grammar=None,
+    stops=None, _bug=None,
 ):  # fmt: skip
-    """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached)."""
+    """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput (cached;
+    the task's tables are its jit argument)."""
     dynamic = isinstance(tree, tr.DynamicTree)
     tree, siblings = tree if dynamic else tr.check_tree(tree), sib.check_siblings(siblings)
     drafter = drafters.drafter_for(target_graphdef, draft_graphdef, 'tree_speculative_sample')
@@ -92,6 +96,7 @@ def make_tree_speculative_fn(
     d_vocab = drafters.draft_vocab_size(draft_graphdef, t_vocab)
     vocab = check_draft_vocab(draft_vocab_ids, t_vocab, d_vocab)
     eos_id = common.check_eos(eos_id, t_vocab)
+    tables = task.build(grammar, stops, t_vocab, 'tree_speculative_sample')
     ngram = ng.is_ngram(draft_graphdef)
     if ngram:
         if dynamic:
@@ -111,11 +116,12 @@ def make_tree_speculative_fn(
         guards.check_tree_ranks(tree, proposable)
     mesh = common.default_mesh() if mesh is None else mesh
     rules = common.normalize_rules(rules)
-    return _cached_fn(
+    program = _cached_fn(
         target_graphdef, draft_graphdef, tree, max_new, sampling, eos_id, mesh, rules,
         common.normalize_draft_rules(draft_rules, rules), _bug, bool(check_finite), siblings,
         rule, vocab, drafter,
     )  # fmt: skip
+    return program.with_task(tables)
 
 
 def _check_rule(acceptance, dynamic: bool) -> str:
@@ -167,15 +173,20 @@ def _cached_fn(
         bug=bug, layout=(mesh, rules, draft_rules), check_finite=check, siblings=siblings,
         rule=rule, vocab=vocab, drafter=drafter,
     )  # fmt: skip
-    return common.ShardedSampler(core, mesh, rules, fits, models, name='tree_speculative_sample')
+    return common.ShardedSampler(
+        core, mesh, rules, fits, models, takes_values=True, name='tree_speculative_sample'
+    )
 
 
 def _tree_core(
-    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, *, tree, layout, vocab, drafter,
-    **kw,
+    tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, values, *, tree, layout, vocab,
+    drafter, **kw,
 ):  # fmt: skip
+    """values: (task.TaskTables or None,)."""
     n, depth, fed = _sizes(tree, drafter)
     batch, width = prompts.shape
+    eos = -1 if kw['eos_id'] is None else kw['eos_id']
+    _, _, con = constrain.unpack((None, None, *values), batch, vocab.target_vocab, eos)
     prompts = guards.clean_padding(prompts, prompt_lengths)  # nothing past a row's length
     capacity = width + kw['max_new'] + max(n, fed) + 1
     mesh, rules, draft_rules = layout
@@ -194,17 +205,18 @@ def _tree_core(
         emitted=zeros, done=jnp.zeros((batch,), bool), round=jnp.int32(0), row_rounds=zeros,
         row_examined_per_position=jnp.zeros((batch, depth), jnp.int32),
         row_accepted_per_position=jnp.zeros((batch, depth), jnp.int32), **guards.initial_flags(),
-        dfeed=dfeed,
+        dfeed=dfeed, task=() if con is None else con.initial(),
     )  # fmt: skip
     keep_q = kw['rule'] == 'probabilistic' or kw['bug'] == 'ratio_test'
     opts = dict(
-        sampling=kw['sampling'], vocab=vocab, check_finite=kw['check_finite'], drafter=drafter
-    )
+        sampling=kw['sampling'], vocab=vocab, check_finite=kw['check_finite'], drafter=drafter,
+        con=con,
+    )  # fmt: skip
     if isinstance(drafter, ng.NGramDrafter):
         t = tr.tables(tree)
         branches = ng.check_tree(tree, 'tree_speculative_sample')
         draft_fn = lambda dparams, state, _, active: (
-            drafter.draft_tree(state, active, t=t, branches=branches), state.dcache, False
+            drafter.draft_tree(state, active, t=t, branches=branches, con=con), state.dcache, False
         )  # fmt: skip
     elif isinstance(tree, tr.DynamicTree):
         draft_fn = lambda dparams, state, _, active: dyn.draft_dynamic(
@@ -217,26 +229,32 @@ def _tree_core(
         )  # fmt: skip
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, draft_fn=draft_fn, sizes=(n, depth, fed),
-        drafter=drafter, **kw,
+        drafter=drafter, con=con, **kw,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return common.SampleOutput(
-        tokens=emit.finish_tokens(state.out, state.emitted, kw['max_new']),
-        lengths=state.emitted,
-        stats=_stats(state, n, depth),
-    )
+    tokens = emit.finish_tokens(state.out, state.emitted, kw['max_new'])
+    finish, extra = constrain.outputs(con, state.task, tokens, state.emitted, eos)
+    calls = (depth * state.row_rounds + 1) * int(not isinstance(drafter, ng.NGramDrafter))
+    flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
+    stats = st.sampler_stats(state, n * state.row_rounds, calls, flags) | extra
+    return common.SampleOutput(tokens, state.emitted, stats, finish)
 
 
 def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab, check_finite,
-                  siblings, ranked, keep_q, drafter):  # fmt: skip
+                  siblings, ranked, keep_q, drafter, con=None):  # fmt: skip
     """Catch-up, then one draft call per depth < D -> (DraftedTree, draft cache with the F fed
     nodes written after the context and its lengths at the context, whether the draft's
     logits of an active row were non-finite). Children are top-ranked at T = 0 or when
-    `ranked`, else drawn from their parent's q (`siblings`)."""
+    `ranked`, else drawn from their parent's q (`siblings`); under a task (`con`) each node's
+    q is masked at its automaton state, which the tree carries."""
     logits, carry = drafter.catch_up(dgd, dparams, state, active, vocab)
     dcache, h_level = drafter.split_carry(carry)  # h: output states (feature drafts)
     bad = guards.any_nonfinite(logits, active, check_finite)
     level = vocab.restrict(logits)[:, None]  # [B, 1, Vd]: the root
+    g_level = state.task.grammar[:, None] if con is not None else None  # [B, W] node states
+    if con is not None:
+        level = con.draft_logits(level, vocab, g_level, state.emitted[:, None])
+    states = [g_level]
     h_level = None if h_level is None else h_level[:, None]
     base = dcache.lengths  # the context; fed node i sits at base + i - 1
     fed_ancestor = t.ancestor[1 : t.num_fed + 1, 1 : t.num_fed + 1]
@@ -252,6 +270,8 @@ def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab
         else:
             toks = sib.top_ranked(level, t.top)[:, parents, ranks]
         tokens.append(toks)
+        if con is not None:
+            states.append(con.advance(g_level[:, parents], vocab.token(toks)))
         if d == t.max_depth - 1:
             break
         mask = tree_mask(fed_ancestor[s - 1 : e - 1], base, dcache.capacity)
@@ -263,6 +283,9 @@ def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab
         )
         bad = bad | guards.any_nonfinite(out, active, check_finite)
         level, first = vocab.restrict(out), s
+        if con is not None:
+            g_level = states[-1]
+            level = con.draft_logits(level, vocab, g_level, state.emitted[:, None] + d + 1)
         level_q = transform_logits(level, sampling) if sampled or keep_q else None
         qs.append(level_q)
     batch = active.shape[0]
@@ -273,13 +296,14 @@ def _draft_static(dgd, dparams, state, uniform_BN, active, *, t, sampling, vocab
         depth_BN1=wide(t.depth), ancestor_BNN=wide(t.ancestor), children_BNR=wide(t.children),
         fed_slot_BN1=wide(fed_slot.astype(np.int32)),
         q_BFV=vocab.expand(jnp.concatenate(qs, axis=1)) if keep_q else None,
+        state_BN1=None if con is None else jnp.concatenate(states, axis=1),
     )  # fmt: skip
     return tree, dcache.replace(lengths=base), bad
 
 
 def _round(
     tgd, dgd, tparams, dparams, rng, state, *, draft_fn, sizes, max_new, sampling, eos_id, bug,
-    check_finite, siblings, rule, drafter,
+    check_finite, siblings, rule, drafter, con=None,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
@@ -295,6 +319,9 @@ def _round(
     logits, tcache, features = drafter.target_call(
         tgd, tparams, tokens, act * 0, tcache, positions, mask
     )
+    target_bad = guards.any_nonfinite(logits, active, check_finite)
+    if con is not None:  # p~ at every node's own automaton state
+        logits = con.logits(logits, tree.state_BN1, state.emitted[:, None] + tree.depth_BN1)
     # Greedy walks only need argmax p = argmax of the logits (transform_logits is a one-hot).
     p_BNV = logits if sampling.greedy else transform_logits(logits, sampling)
     walk_rule, walk_siblings = (
@@ -309,8 +336,14 @@ def _round(
     tok = jnp.concatenate([jnp.zeros_like(state.last[:, None]), tree.tokens_BN], axis=1)
     path_tok = jnp.take_along_axis(tok, path, axis=1)
     count, hit_eos, emitted, out = emit.emit_round(
-        path_tok, num_acc, next_token, state.out, state.emitted, act, max_new=max_new, eos_id=eos_id
-    )
+        path_tok, num_acc, next_token, state.out, state.emitted, act, max_new=max_new,
+        eos_id=eos_id if con is None else None,
+    )  # fmt: skip
+    tstate = state.task
+    if con is not None:  # the states along the path: the root's, then each path node's
+        g_path = jnp.take_along_axis(tree.state_BN1, jnp.pad(path, ((0, 0), (1, 0))), axis=1)
+        count, hit_eos, tstate = con.cut_round(state, g_path, path_tok, num_acc, next_token, count)
+        emitted = state.emitted + count * act
     i = jnp.arange(depth)[None, :]
     counted = (i < count[:, None]) & active[:, None]
     examined = tested & counted
@@ -352,27 +385,8 @@ def _round(
         row_rounds=state.row_rounds + act,
         row_examined_per_position=state.row_examined_per_position + examined,
         row_accepted_per_position=state.row_accepted_per_position + accepted,
-        nonfinite_target=state.nonfinite_target
-        | guards.any_nonfinite(logits, active, check_finite),
+        nonfinite_target=state.nonfinite_target | target_bad,
         nonfinite_draft=state.nonfinite_draft | draft_bad,
         dfeed=dfeed,
+        task=tstate,
     )
-
-
-def _stats(state, n, depth):
-    """Per-row counts and totals as `SampleOutput`, per depth; drafted = N nodes per round."""
-    rounds = state.row_rounds
-    rows = dict(
-        row_examined_per_position=state.row_examined_per_position,
-        row_accepted_per_position=state.row_accepted_per_position,
-        row_examined=state.row_examined_per_position.sum(-1),
-        row_accepted=state.row_accepted_per_position.sum(-1),
-        row_drafted=n * rounds,
-        row_emitted=state.emitted,
-        row_rounds=rounds,
-        row_target_calls=rounds + 1,
-        row_draft_calls=depth * rounds + 1,
-    )
-    totals = {name[4:]: value.sum(0) for name, value in rows.items()}
-    flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
-    return {**totals, **rows, 'batch_rounds': state.round, **flags}

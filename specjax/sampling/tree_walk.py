@@ -53,7 +53,8 @@ class DraftedTree:
     padded). fed_slot_BN1 int32 [B, N + 1]: the draft-cache slot (entry base + slot) of the
     node's own entry, -1 when the draft did not feed it (root: -1). q_BFV [B, F + 1, V] or None:
     the draft's distribution at the root (index 0) and at fed slot s (index s + 1), over the
-    target vocabulary; only 'probabilistic' verification reads it.
+    target vocabulary; only 'probabilistic' verification reads it. state_BN1 int32 [B, N + 1] or
+    None: under a grammar, each node's automaton state after its path (the root's: the row's).
     """
 
     tokens_BN: jax.Array
@@ -62,6 +63,7 @@ class DraftedTree:
     children_BNR: jax.Array
     fed_slot_BN1: jax.Array
     q_BFV: Any = None
+    state_BN1: Any = None
 
 
 def tree_mask(ancestor_BNM, lengths_B, capacity: int):
