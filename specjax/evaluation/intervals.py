@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+from scipy import stats
 
 from specjax.evaluation.tables import human_label
 
@@ -117,14 +118,24 @@ def timing_summary(seconds) -> dict:
 
 def ratio_summary(baseline_s, point_s) -> dict:
     """Measured speedup baseline / point from interleaved repeats (the i-th of each measured in
-    the same round): median of the per-repeat ratios, their range, and the verdict
-    'faster' / 'slower' when the whole range is above / below 1, else 'unresolved'."""
+    the same round): median of the per-repeat ratios, their range, with 3 or more repeats a 95 %
+    interval of the ratio (Student's t over the repeats' log ratios: each repeat's pair ran in
+    one round, so drift cancels within a pair), and the verdict 'faster' / 'slower' when that
+    interval (with fewer repeats: the whole range) lies above / below 1, else 'indistinguishable'
+    (at 95 %)."""
     ratios = np.asarray(baseline_s, np.float64) / np.asarray(point_s, np.float64)
     lo, hi = float(ratios.min()), float(ratios.max())
-    verdict = 'faster' if lo > 1 else 'slower' if hi < 1 else 'unresolved'
+    interval = None
+    if len(ratios) >= 3:
+        logs = np.log(ratios)
+        half = float(stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs)))
+        interval = [float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))]
+    a, b = interval or (lo, hi)
+    verdict = 'faster' if a > 1 else 'slower' if b < 1 else 'indistinguishable'
     return {
         'value': float(np.median(ratios)),
         'range': [lo, hi],
+        'interval': interval,
         'repeats': ratios.tolist(),
         'verdict': verdict,
     }

