@@ -46,6 +46,7 @@ MODES = {
     'distill': 'specjax.distill.distill_mode:run_distill',
     'cotrain': 'specjax.distill.cotrain:run_cotrain',
     'feature_draft': 'specjax.distill.feature_mode:run_feature_draft',
+    'online_distill': 'specjax.distill.online_mode:run',
     'spec_eval': 'specjax.evaluation.spec_eval:run',
     'sweep': 'specjax.sweeps.runner:run',
     'quickstart': 'specjax.quickstart.pipeline:run',

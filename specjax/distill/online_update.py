@@ -1,0 +1,107 @@
+"""The online draft's programs: re-scoring what was served, and a distillation step on the buffer.
+
+Where the target's distributions come from. The speculative sampler computes the target's logits
+inside its compiled loop and returns tokens and counts only; carrying the verified positions'
+[k + 1, V] distributions out would add a [B, N + k + 1, V] array to the loop state of a shared
+sampler. Instead `rescore_program` runs the target and the draft over prompt + served tokens in
+one batched forward each (the distributions the sampler verified against, up to float rounding
+between the cached and the uncached forward), which also gives the draft's acceptance
+probability alpha_t = sum_v min(p_v, q_v) at every served position: what the buffer selects by.
+Its cost is measured and reported with the update's (docs/findings.md).
+
+`online_step` is `specjax.distill.steps.draft_update` (the distill mode's update, with its
+divergence from `specjax.distill.divergences`) on N rows of the buffer: a row is one request's
+longest buffered prefix, its entries' stored target log-probabilities sit at their positions of
+a [N, L, V] teacher tensor and the loss mask selects those positions (one forward serves every
+entry of a request, instead of one forward per entry).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.distill.sources import assemble
+from specjax.distill.steps import LossSettings, draft_update
+from specjax.models import apply
+from specjax.parallel import replicated
+from specjax.parallel.sharding import on_mesh
+from specjax.sampling import SamplingConfig
+from specjax.sampling.stats import alpha_per_position
+
+
+def _rescore(tgd, dgd, tparams, dparams, prompts, prompt_lengths, tokens, lengths, *, sampling,
+             with_logp):  # fmt: skip
+    """prompts int32 [B, P] (lengths [B]) + served tokens int32 [B, N] (lengths [B]) ->
+    (seq int32 [B, W], mask bool [B, W-1], alpha float32 [B, W-1], logp float32 [B, W-1, V]
+    or None), W = P + N: position t of mask/alpha/logp predicts seq[:, t + 1]; mask marks the
+    served tokens; logp is the target's log-softmax at temperature 1."""
+    batch = assemble(prompts, prompt_lengths, tokens, lengths)
+    args = (batch['tokens'], batch['positions'], batch['segment_ids'])
+    t_logits = apply(tgd, tparams, *args)[:, :-1]
+    d_logits = apply(dgd, dparams, *args)[:, :-1]
+    alpha = alpha_per_position(t_logits, d_logits, sampling)
+    logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1) if with_logp else None
+    return batch['tokens'], batch['loss_mask'], alpha, logp
+
+
+@functools.lru_cache(maxsize=16)
+def rescore_program(tgd, dgd, sampling: SamplingConfig, mesh, with_logp: bool):
+    """jit of (tparams, dparams, prompts, prompt_lengths, tokens, lengths) -> _rescore's tuple;
+    with_logp False (measuring alpha only) leaves the [B, W-1, V] log-probabilities out."""
+    fn = functools.partial(_rescore, tgd, dgd, sampling=sampling, with_logp=with_logp)
+    return jax.jit(on_mesh(fn, mesh))
+
+
+def rows_batch(tokens_NL, length_N, mask_NL1):
+    """The buffer's training rows (OnlineBuffer.sample) -> the step's batch: row n is its
+    longest prefix (segment 1 up to length_N[n], 0 after); the loss mask mask_NL1 [N, L - 1]
+    selects the positions whose target law the buffer holds."""
+    n, width = tokens_NL.shape
+    j = jnp.arange(width, dtype=jnp.int32)[None, :]
+    return {
+        'tokens': tokens_NL,
+        'positions': jnp.broadcast_to(j, (n, width)),
+        'segment_ids': (j < length_N[:, None]).astype(jnp.int32),
+        'loss_mask': mask_NL1,
+        'ce_mask': jnp.zeros((n, width - 1), bool),
+    }
+
+
+def online_step(dgd, state, tokens_NL, length_N, mask_NL1, teacher_NLV, *, tx, loss):
+    """TrainState of the draft + N buffer rows -> (state, metrics): one draft_update toward the
+    stored target log-probs teacher_NLV [N, L, V] at the masked positions."""
+    batch = rows_batch(tokens_NL, length_N, mask_NL1)
+    params, opt_state, metrics = draft_update(
+        dgd, state.params, state.opt_state, teacher_NLV, batch, tx=tx, loss=loss
+    )
+    rng, _ = jax.random.split(state.rng)
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+    return new, metrics
+
+
+STEP_KEYS = ('tokens', 'length', 'mask', 'teacher')  # OnlineBuffer.sample's arrays, in order
+
+
+def jit_online_step(dgd, tx, loss: LossSettings, state_shardings, batch_sharding, mesh):
+    """online_step jitted once with explicit shardings; the draft's state is donated."""
+    return jax.jit(
+        on_mesh(functools.partial(online_step, dgd, tx=tx, loss=loss), mesh),
+        in_shardings=(state_shardings, *(batch_sharding,) * len(STEP_KEYS)),
+        out_shardings=(state_shardings, replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def loss_settings(online) -> LossSettings:
+    """config.online's divergence fields as the distill step's LossSettings (no CE term)."""
+    return LossSettings(
+        divergence=online.divergence,
+        beta=float(online.beta),
+        temperature=float(online.loss_temperature),
+        scale_by_t2=bool(online.scale_by_t2),
+        kd_weight=1.0,
+        ce_weight=0.0,
+    )
