@@ -2,6 +2,7 @@
 
 from specjax.sampling.acceptance import EXACT_RULES, RULES, Acceptance, as_acceptance
 from specjax.sampling.autoregressive import autoregressive_sample, make_autoregressive_fn
+from specjax.sampling.cascade import CASCADE_RULES
 from specjax.sampling.common import SampleOutput, check_same_tokenizer
 from specjax.sampling.emit import PAD_ID
 from specjax.sampling.grammar import Grammar
@@ -22,6 +23,7 @@ from specjax.sampling.tree_speculative import make_tree_speculative_fn, tree_spe
 from specjax.sampling.verify import residual, verify, verify_greedy
 
 __all__ = [
+    'CASCADE_RULES',
     'EXACT_RULES',
     'RULES',
     'Acceptance',

@@ -17,6 +17,9 @@ float32 distributions.
   eps = 1 is `probabilistic`; smaller eps keeps more and is lossy.
 - `typical` (Medusa, Cai et al. ICML 2024, Sec. 2.3.1 "typical acceptance"): x ~ q, keep iff
   p(x) > min(threshold, alpha * exp(-H(p))); replace with a fresh sample of p. Lossy.
+- `cascade_*` (speculative cascades, Narasimhan et al. ICLR 2025; specjax.sampling.cascade): exact
+  speculative sampling against a law pi mixed from q and p by a deferral rule, `cascade_lenience`
+  a in [-1, 1] from exact (-1) to the draft alone (1). Lossy by design; chains only.
 
 At temperature 0 every rule reduces to greedy verification (keep while x == argmax p).
 """
@@ -28,10 +31,11 @@ import numbers
 
 import jax.numpy as jnp
 
+from specjax.sampling.cascade import CASCADE_RULES, check_lenience
 from specjax.sampling.transforms import inverse_cdf
 from specjax.sampling.verify import leading_true, residual, take_position
 
-RULES = ('probabilistic', 'argmax_draft', 'strict', 'lenient', 'typical')
+RULES = ('probabilistic', 'argmax_draft', 'strict', 'lenient', 'typical') + CASCADE_RULES
 EXACT_RULES = ('probabilistic', 'argmax_draft', 'strict')
 
 
@@ -41,12 +45,14 @@ class Acceptance:
 
     lenience: `lenient`'s eps in (0, 1] (1 = exact). typical_threshold in (0, 1] and
     typical_alpha > 0: `typical`'s hard threshold and entropy factor (Medusa's defaults).
+    cascade_lenience in [-1, 1]: a cascade rule's knob (-1 = exact, 1 = the draft alone).
     """
 
     rule: str = 'probabilistic'
     lenience: float = 0.5
     typical_threshold: float = 0.09
     typical_alpha: float = 0.3
+    cascade_lenience: float = 0.0
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -60,10 +66,22 @@ class Acceptance:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not lo < v <= hi:
                 raise ValueError(f'Acceptance.{name} must be in ({lo}, {hi}], got {v!r}')
             object.__setattr__(self, name, float(v))
+        a = check_lenience(self.cascade_lenience, 'Acceptance.cascade_lenience')
+        object.__setattr__(self, 'cascade_lenience', a)
 
     @property
     def exact(self) -> bool:
         return self.rule in EXACT_RULES
+
+    def without_lenience(self) -> Acceptance:
+        """This rule with a cascade's lenience at 0: the compiled program's part (the
+        samplers take a cascade's lenience as a run-time value)."""
+        return dataclasses.replace(self, cascade_lenience=0.0) if self.cascade else self
+
+    @property
+    def cascade(self) -> bool:
+        """A speculative cascade: verified by cascade.verify_round, k + 1 proposals a round."""
+        return self.rule in CASCADE_RULES
 
     @property
     def label(self) -> str:
@@ -71,6 +89,8 @@ class Acceptance:
             return f'lenient(eps={self.lenience:g})'
         if self.rule == 'typical':
             return f'typical(eps={self.typical_threshold:g}, a={self.typical_alpha:g})'
+        if self.cascade:
+            return f'{self.rule}(a={self.cascade_lenience:g})'
         return self.rule
 
 
@@ -105,6 +125,8 @@ def verify_rule(acc: Acceptance, uniform_BK, uniform_B, p_BKV, q_BKV, x_BK):
     p_BKV [B, k+1, V] target probs at positions 1..k+1; q_BKV [B, k, V] the draft probs x_BK
     was proposed from (one-hot for `argmax_draft`); uniform_BK, uniform_B independent U[0, 1).
     """
+    if acc.cascade:
+        raise ValueError(f'{acc.rule} verifies through specjax.sampling.cascade.verify_round')
     k = x_BK.shape[1]
     p_x, q_x = _at(p_BKV[:, :k], x_BK), _at(q_BKV, x_BK)
     if acc.rule == 'strict':

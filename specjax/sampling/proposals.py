@@ -44,7 +44,9 @@ def propose(
     returned q_i its one-hot. x and q are in the target's vocabulary. Greedy: x_i is the argmax
     and q zeros (greedy verification ignores it; a [B, k, 1] placeholder when greediness is
     static). `con` (a constrain.Constraint): each q_i is masked at the grammar state after
-    x_1..x_{i-1} (the state advanced along the proposals), so q is the constrained q~.
+    x_1..x_{i-1} (the state advanced along the proposals), so q is the constrained q~. A cascade
+    rule's q is [B, k, 2, V]: q_i and the draft's T = 1 law (softmax of its logits; one-hots'
+    placeholder zeros at greedy in q_i), which the rule reads (specjax.sampling.cascade).
     """
     act = active.astype(jnp.int32)
     nonfinite = lambda lg: guards.any_nonfinite(lg, active, check_finite)
@@ -76,6 +78,9 @@ def propose(
         x, q = branch(greedy, argmax, sample, uniform_B, restricted)
         if bug == 'unmasked_q':  # wrong: x ~ q~, but the ratio and residual read the unmasked q
             q = vocab.expand(transform_logits(free, sampling))
+        if acc.cascade:  # [B, 2, V]: q and the T = 1 law the cascade's rule reads
+            law = vocab.expand(jax.nn.softmax(restricted, axis=-1))
+            q = jnp.stack([jnp.broadcast_to(q, law.shape), law], axis=1)
         if stop_below is None:
             return vocab.token(x), q, jnp.ones(x.shape, bool)
         confidence = jnp.take_along_axis(jax.nn.softmax(restricted, -1), x[:, None], 1)[:, 0]
@@ -85,7 +90,7 @@ def propose(
     x1, q1, going = draw(uniform_BK[:, 0], logits, g)
     going = going & active
     xs = jnp.zeros((len(act), k), jnp.int32).at[:, 0].set(x1)
-    qs = jnp.zeros((len(act), k, q1.shape[-1]), q1.dtype).at[:, 0].set(q1)
+    qs = jnp.zeros((len(act), k, *q1.shape[1:]), q1.dtype).at[:, 0].set(q1)
 
     def more(loop):
         i, going = loop[0], loop[5]

@@ -12,7 +12,10 @@ The kept part's mass is the rule's acceptance probability alpha (sum_x q(x) keep
 `acceptance_probability` is that one function, for NumPy and for jax.numpy (jitted callers such
 as stats.alpha_per_position), and every prediction from alpha (E[tau], speedup, optimal k) uses
 it. Per rule: probabilistic sum min(p, q); argmax_draft p(argmax q); strict sum p q;
-lenient(eps) sum min(p / eps, q); typical sum_x q(x) [p(x) > min(threshold, a exp(-H(p)))].
+lenient(eps) sum min(p / eps, q); typical sum_x q(x) [p(x) > min(threshold, a exp(-H(p)))];
+a cascade sum min(pi, q), pi its law (specjax.sampling.cascade.target_law, read here from the same
+p and q: the sampler's rule reads the T = 1 laws, the same ones at T = 1 without top-k / top-p).
+A cascade's kernel and bonus both emit pi, so its joint is pi's chain rule, whatever k.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from specjax.sampling.acceptance import Acceptance, as_acceptance
+from specjax.sampling.cascade import target_law
 
 _EPS = 1e-7  # the samplers' residual fallback threshold (verify.RESIDUAL_EPS)
 
@@ -35,8 +39,9 @@ def _proposal_and_keep(p, q, acc: Acceptance, xp):
     acceptance.verify_rule (and speculative's argmax proposal)."""
     if acc.rule == 'argmax_draft':
         q = (xp.arange(q.shape[-1]) == xp.argmax(q, -1)[..., None]).astype(p.dtype)
+    p = _law(p, q, acc, xp)  # a cascade: verified exactly against its pi
     safe_q = xp.where(q > 0, q, 1.0)
-    if acc.rule in ('probabilistic', 'argmax_draft', 'lenient'):
+    if acc.rule in ('probabilistic', 'argmax_draft', 'lenient') or acc.cascade:
         eps = acc.lenience if acc.rule == 'lenient' else 1.0
         keep = xp.where(q > 0, xp.minimum(1.0, p / (eps * safe_q)), 0.0)
     elif acc.rule == 'strict':
@@ -47,6 +52,11 @@ def _proposal_and_keep(p, q, acc: Acceptance, xp):
         cut = xp.minimum(acc.typical_threshold, acc.typical_alpha * xp.exp(-ent))
         keep = (p > cut).astype(p.dtype)
     return q, keep
+
+
+def _law(p, q, acc: Acceptance, xp=np):
+    """The law a rule verifies against: a cascade's pi, else the target's p."""
+    return target_law(acc.rule, acc.cascade_lenience, p, q, xp=xp) if acc.cascade else p
 
 
 def acceptance_probability(p, q, acceptance: Acceptance | str = 'probabilistic', xp=np):
@@ -82,7 +92,8 @@ def step_kernel(p, q, acceptance: Acceptance | str = 'probabilistic'):
     elif acc.rule == 'typical':
         replaced = reject_x.sum(-1, keepdims=True) * p
     else:  # the residual; for argmax_draft (q one-hot) it is p without x, renormalised
-        replaced = reject_x.sum(-1, keepdims=True) * _normalise_or(np.maximum(p - q, 0), p)
+        law = _law(p, q, acc)
+        replaced = reject_x.sum(-1, keepdims=True) * _normalise_or(np.maximum(law - q, 0), law)
     return kept, replaced
 
 
@@ -100,17 +111,18 @@ def rule_joint(p_ctx, q_ctx, k: int, acceptance='probabilistic'):
     The state carried along is how many proposals of the current round have been kept so far.
     """
     p_ctx, q_ctx = np.asarray(p_ctx, np.float64), np.asarray(q_ctx, np.float64)
+    acc = as_acceptance(acceptance)
     m, vocab = p_ctx.shape[-2:]
     # mass[j]: [V]*i joint of the first i tokens with j proposals of the current round kept.
     mass = [np.ones(())] + [np.zeros(())] * k
     for i in range(m):
         index = (slice(None),) * i + (0,) * (m - 1 - i) + (i,)
         p, q = p_ctx[index], q_ctx[index]  # [V]*i + [V]
-        kept, replaced = step_kernel(p, q, acceptance)
+        kept, replaced = step_kernel(p, q, acc)
         new = [np.zeros((vocab,) * (i + 1)) for _ in range(k + 1)]
         for j in range(k + 1):
-            if j == k:  # bonus token: a sample of p, the round ends
-                new[0] = new[0] + mass[j][..., None] * p
+            if j == k:  # bonus token: a sample of p (a cascade's: of pi), the round ends
+                new[0] = new[0] + mass[j][..., None] * _law(p, q, acc)
                 continue
             new[j + 1] = new[j + 1] + mass[j][..., None] * kept
             new[0] = new[0] + mass[j][..., None] * replaced

@@ -25,6 +25,7 @@ from specjax.models import KVCache, init_cache, split
 from specjax.sampling import common, constrain, drafters, emit, guards, proposals, task, widths
 from specjax.sampling import stats as st
 from specjax.sampling.acceptance import as_acceptance, verify_rule
+from specjax.sampling.cascade import bind_lenience, lenience_of, verify_round
 from specjax.sampling.draft_vocab import check_draft_vocab
 from specjax.sampling.transforms import (
     SamplingConfig,
@@ -36,10 +37,11 @@ from specjax.sampling.transforms import (
 from specjax.sampling.verify import stop_at, take_position, verify, verify_greedy
 
 # Deliberately wrong variants, selectable only through the private `_bug` argument, so the
-# exactness tests can show their statistics reject them (negative controls).
-_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal')
-_BUGS += ('unmasked_q',)  # under a grammar: draws from q~ tested against the unmasked q
-_BUGS += ('ngram_soft_q',)  # an n-gram draft verified against a smoothed q
+# exactness tests can show their statistics reject them (negative controls); under a grammar
+# 'unmasked_q' draws from q~ tested against the unmasked q; 'ngram_soft_q' verifies an n-gram
+# draft against a smoothed q.
+_BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal',
+         'unmasked_q', 'ngram_soft_q')  # fmt: skip
 
 
 @struct.dataclass
@@ -116,26 +118,17 @@ def speculative_sample(
     specjax.sampling.proposals); the output law is unchanged. `stops` / `grammar` as in
     autoregressive_sample: both models' distributions are masked at the grammar state along the
     drafted prefix and verification is exact for the constrained target law; `finish_reason`.
+    A cascade rule (`cascade_*`, specjax.sampling.cascade) is lossy by design: a token draft,
+    chains without stop_below only.
     """
     target_graphdef, target_params = split(target)
     draft_graphdef, draft_params = drafters.split_draft(draft)
     fn = make_speculative_fn(
-        target_graphdef,
-        draft_graphdef,
-        num_draft_tokens=num_draft_tokens,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        eos_id=eos_id,
-        mesh=mesh,
-        rules=rules,
-        acceptance=acceptance,
-        draft_vocab_ids=draft_vocab_ids,
-        draft_rules=draft_rules,
-        check_finite=check_finite,
-        stop_below=stop_below,
-        grammar=grammar,
-        stops=stops,
-    )
+        target_graphdef, draft_graphdef, num_draft_tokens=num_draft_tokens,
+        max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules,
+        acceptance=acceptance, draft_vocab_ids=draft_vocab_ids, draft_rules=draft_rules,
+        check_finite=check_finite, stop_below=stop_below, grammar=grammar, stops=stops,
+    )  # fmt: skip
     return fn(target_params, draft_params, prompts, prompt_lengths, rng)
 
 
@@ -171,6 +164,7 @@ def make_speculative_fn(
     q, so timed greedy runs keep it off; docs/performance.md has the measured cost).
     Arguments are checked here and in fn before any compile; fn raises NonFiniteLogitsError
     after a call with non-finite logits (`check_finite=False`: unchecked, to measure the cost).
+    A cascade's lenience is a run-time value too: `cascade.with_lenience(fn, a)`.
     """
     k = common.check_positive_int('num_draft_tokens', num_draft_tokens)
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
@@ -185,6 +179,8 @@ def make_speculative_fn(
     stop_below = proposals.check_stop_below(stop_below)
     if _bug not in _BUGS:
         raise ValueError(f'_bug must be one of {_BUGS}, got {_bug!r}')
+    if acc.cascade and (stop_below is not None or type(drafter) is not drafters.TokenDrafter):
+        raise ValueError(f'acceptance {acc.rule!r} needs a token draft and stop_below=None')
     mesh = common.default_mesh() if mesh is None else mesh
     rules = common.normalize_rules(rules)
     program = _cached_fn(
@@ -195,14 +191,15 @@ def make_speculative_fn(
         mesh,
         rules,
         common.normalize_draft_rules(draft_rules, rules),
-        acc,
+        acc.without_lenience(),  # a cascade's lenience: a run-time value
         vocab,
         _bug,
         bool(check_finite),
         drafter,
         stop_below,
     )
-    return program.with_sampling(sampling, dynamic_sampling, eos_id).with_task(tables)
+    program = program.with_sampling(sampling, dynamic_sampling, eos_id).with_task(tables)
+    return bind_lenience(program, acc.cascade_lenience) if acc.cascade else program
 
 
 @functools.lru_cache(maxsize=64)
@@ -250,6 +247,7 @@ def _speculative_core(
     SamplingConfig: same tokens), an emit.Stop (max_new: the buffer's size at most) and an
     optional task.TaskTables."""
     sampling, stop, con = constrain.unpack(values, prompts.shape[0], vocab.target_vocab)
+    lenience = lenience_of(values) if acc.cascade else None
     state = initial_state(
         tgd, dgd, tparams, dparams, prompts, prompt_lengths, k=k, max_new=max_new, vocab=vocab,
         layout=layout, drafter=drafter,
@@ -258,7 +256,7 @@ def _speculative_core(
     body = functools.partial(
         _round, tgd, dgd, tparams, dparams, rng, k=k, stop=stop, sampling=sampling, acc=acc,
         vocab=vocab, bug=bug, check_finite=check_finite, drafter=drafter, stop_below=stop_below,
-        con=con,
+        con=con, lenience=lenience,
     )  # fmt: skip
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     tokens = emit.finish_tokens(state.out, state.emitted, max_new)
@@ -300,17 +298,19 @@ def initial_state(
 
 def _round(
     tgd, dgd, tparams, dparams, rng, state, *, k, stop, sampling, acc, vocab, bug,
-    check_finite=True, drafter, stop_below=None, con=None,
+    check_finite=True, drafter, stop_below=None, con=None, lenience=None,
 ):  # fmt: skip
     active = ~state.done
     act = active.astype(jnp.int32)
+    kd = k + acc.cascade  # proposals: a cascade also drafts x_{k+1} (specjax.sampling.cascade)
     # One draw per round; its disjoint slices are independent streams for the draft samples,
     # the acceptance tests and the residual/bonus draw.
-    noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * k + 1))
-    x_BK, q_BKV, m, fed, dcarry, draft_bad = drafter.propose(
-        dgd, dparams, state, noise[:, :k], active, k=k, sampling=sampling, acc=acc,
+    noise = jax.random.uniform(jax.random.fold_in(rng, state.round), (len(act), 2 * kd + 1))
+    x_all, q_BKV, m, fed, dcarry, draft_bad = drafter.propose(
+        dgd, dparams, state, noise[:, :kd], active, k=kd, sampling=sampling, acc=acc,
         vocab=vocab, bug=bug, check_finite=check_finite, stop_below=stop_below, con=con,
     )  # fmt: skip
+    x_BK = x_all[:, :k]  # the proposals the target scores
 
     tokens = jnp.concatenate([state.last[:, None], x_BK], axis=1)
     variable = stop_below is not None or drafter.variable_length  # rows propose m <= k
@@ -349,8 +349,11 @@ def _round(
             extra['bonus_BV'] = vocab.expand(transform_logits(vocab.restrict(q_logits), sampling))
         return verify(noise[:, k:-1], noise[:, -1], p_BKV, q_BKV, x_BK, **extra)
 
-    # Greedy: argmax of the logits = argmax of transform_logits' one-hot.
-    num_acc, next_token = branch(greedy, greedy_test, test, logits)
+    if acc.cascade:  # exact speculative sampling against the cascade's law pi
+        args = (logits, q_BKV, x_all, noise[:, kd:], sampling)
+        num_acc, next_token = verify_round(acc.rule, lenience, *args)
+    else:  # greedy: argmax of the logits = argmax of transform_logits' one-hot
+        num_acc, next_token = branch(greedy, greedy_test, test, logits)
 
     # Emit x_1..x_n and the replacement/bonus, cut at eos (or the task's stops) and max_new.
     count, hit_eos, emitted, out = emit.emit_round(
@@ -371,7 +374,7 @@ def _round(
     # Roll back: the target keeps last + x_1..x_n; the drafter rolls its draft back.
     keep = lambda new, old: jnp.where(active, new, old)
     dcache, prev, draft_pending, dfeed = drafter.after_round(
-        state, dcarry, drafter.fuse(dgd, dparams, features), fed=fed, x_BK=x_BK,
+        state, dcarry, drafter.fuse(dgd, dparams, features), fed=fed, x_BK=x_all,
         num_acc_B=num_acc, next_B=next_token, active_B=active,
     )  # fmt: skip
     return SpeculativeState(
