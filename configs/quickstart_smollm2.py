@@ -11,8 +11,9 @@ of train-row prompts and its top-K log-probs over the N ids on them, computed on
 and draft_distilled (the same reduced-vocabulary draft, same steps and tokens per step:
 cross-entropy on the corpus rows, DistillSpec's baseline, vs FKL to the cached teacher on its
 continuations, its best setting), draft_feature (EAGLE-3), spec_ce, spec_distilled,
-spec_feature, spec_ngram (the training-free n-gram draft: no draft stage), serve, report. No
-cotrain: it would train the 135M target.
+spec_feature, spec_ngram (the training-free n-gram draft: no draft stage), serve, route (the
+request-level router and the speculative cascade between the distilled student and the target),
+report. No cotrain: it would train the 135M target.
 
 Presets: quick (default: the main job, configs/quickstart.py with no argument; fewer rows,
 steps and prompts, 15 minutes with the install on a quiet 2-core CPU), full (the 30-minute run;
@@ -128,6 +129,7 @@ _ESTIMATES = {
         spec_feature=300,
         spec_ngram=120,
         serve=50,
+        route=90,
         report=5,
     ),
     'quick': dict(  # to be measured (docs/quickstart.md); the ETA rescales them by the pace
@@ -141,6 +143,7 @@ _ESTIMATES = {
         spec_feature=70,
         spec_ngram=60,
         serve=30,
+        route=45,
         report=5,
     ),
     'tiny': dict(
@@ -154,8 +157,16 @@ _ESTIMATES = {
         spec_feature=30,
         spec_ngram=15,
         serve=17,
+        route=30,
         report=3,
     ),
+}
+# the route stage per size: prompts per domain (half validation, half held-out), the cascade's
+# leniences a (specjax.sampling.cascade: -1 exact speculation .. 1 the student alone)
+_ROUTE = {
+    'full': dict(prompts=8, leniences=(0.25, 0.5, 0.75, 1.0)),
+    'quick': dict(prompts=4, leniences=(0.3, 0.6, 1.0)),
+    'tiny': dict(prompts=2, leniences=(0.5, 1.0)),
 }
 
 
@@ -322,6 +333,27 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.ngram_k = p['ngram_ks'][-1]
     c.serve.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')
     c.serve.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
+
+    # the route stage (specjax.evaluation.route_stage): the router and the speculative cascade
+    r = _ROUTE[size]
+    c.route = ml_collections.ConfigDict()
+    c.route.prompts_per_domain = r['prompts']  # alternately validation and held-out prompts
+    c.route.max_new_tokens = c.serve.get_ref('max_new_tokens')  # serve's shapes and sampling:
+    c.route.temperature = c.serve.get_ref('temperature')  # its compiled programs are reused
+    # the target tier: 'fastest' (serve's fastest exact path at batch 1) or a serve method
+    c.route.tier = 'fastest'
+    c.route.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')  # an n-gram tier's draft
+    c.route.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
+    c.route.first_m = p['new_tokens'] // 4  # the _first_m signals: after the first m tokens
+    c.route.signals = ('mean_nll', 'max_nll', 'mean_nll_first_m', 'max_nll_first_m', 'probe')
+    c.route.probe_l2 = 1.0  # the prompt probe's L2 penalty (standardised features)
+    # the cascade's rule (specjax.sampling.cascade; '' = none), its k (0 = serve's) and leniences
+    c.route.cascade_rule = 'cascade_token_v3'
+    c.route.cascade_k = 0
+    c.route.cascade_lenience = r['leniences']
+    # the verdict's floor: target log-likelihood per token within this of the target's own
+    c.route.quality_floor_nats = 0.1
+    c.route.repeats = 1  # timed passes over the prompts (medians)
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -262,6 +262,50 @@ def test_report_renders_the_ngram_option(finished, tmp_path):
     assert option in quickstart_report.verdict_text(quickstart_report.load(root))
 
 
+def test_report_renders_the_route_row(finished, tmp_path):
+    """A results set with a route stage (the SmolLM2 preset's router and cascade; faked here
+    from a synthetic per-prompt table through route_curves): the verdict's fourth row, the
+    routing section with the cascade marked lossy next to its figures, and the plot."""
+    import shutil
+
+    from test_routing import _table
+
+    from specjax.evaluation import route_curves, routing
+
+    _, workdir, _, _ = finished
+    root = str(tmp_path / 'w')
+    shutil.copytree(workdir, root, ignore=shutil.ignore_patterns('checkpoints*'))
+    table = _table()
+    route = route_curves.summarize(table, routing.SIGNALS, (0.3, 1.0), 0.1)
+    route['cascade'].update(rule='cascade_token_v3', k=2, exact=False)
+    route.update(
+        student='draft_distilled', tier={'method': 'spec_distilled', 'k': 2}, first_m=8,
+        sampling={'temperature': 0.0, 'top_k': 0, 'top_p': 1.0}, max_new_tokens=32,
+        quality_floor_nats=0.1, prompts={'count': 12, 'validation': 6, 'held_out': 6},
+    )  # fmt: skip
+    os.makedirs(os.path.join(root, 'route'))
+    with open(os.path.join(root, 'route', 'route.json'), 'w') as f:
+        json.dump(route, f)
+    quickstart_report.write(root)
+    text = open(os.path.join(root, 'report.md')).read()
+    option = 'route (the distilled student when confident, else spec_distilled (k = 2))'
+    best = route['routers'][route['best_signal']]
+    held = best['curve'][best['chosen']]['held_out']
+    latency = _cell(text, f'| {option} ', 1, '## Verdict')
+    assert latency.startswith(
+        fmt_interval(held['relative_latency'], held['relative_latency_interval'])
+    )
+    quality = _cell(text, f'| {option} ', 2, '## Verdict')
+    assert fmt_interval(held['kept_fraction'], held['kept_fraction_interval']) in quality
+    assert 'not exact by design' in _cell(text, f'| {option} ', 4, '## Verdict')
+    section = text[text.index('## Routing and speculative cascades') :]
+    for c in route['cascade']['curve']:
+        cost = fmt_interval(c['held_out']['quality_cost'], c['held_out']['quality_cost_interval'])
+        assert f'{cost} (not exact by design)' in section
+    assert os.path.exists(os.path.join(root, 'plots', 'route_quality_vs_latency.png'))
+    assert option in quickstart_report.verdict_text(quickstart_report.load(root))
+
+
 def test_rerun_reuses_every_stage_without_retraining(finished):
     config, workdir, _, first_s = finished
     before = {

@@ -19,16 +19,19 @@ from ml_collections.config_dict import FieldReference
 from specjax.config_diff import ABSENT, differences
 from specjax.workdir import at_default
 
+# stages whose config is their section plus spec_eval's data, eval, mesh and seed
+EVAL_SHARING_STAGES = ('serve', 'route')
+
 
 def source_path(config, stage, path: str) -> str:
     """The quickstart-config field a stage-config field comes from (see pipeline.stage_config)."""
     head, _, rest = path.partition('.')
     if head == 'data' and rest and rest != 'seq_len' and rest.split('.')[0] in config.data:
         return path  # the shared data fields
-    if stage.name == 'serve':
+    if stage.name in EVAL_SHARING_STAGES:
         if head in ('data', 'eval', 'mesh') or path == 'seed':
             return f'spec_eval.{path}'
-        return f'serve.{path}'
+        return f'{stage.name}.{path}'
     return f'{stage.section}.{path}'
 
 

@@ -57,8 +57,8 @@ class StageError(errors.SpecjaxError, ValueError):
 
 def stage_config(config, stage: Stage):
     """The config a stage's mode function receives: its section, with the shared data fields."""
-    if stage.name == 'serve':
-        cfg = ml_collections.ConfigDict(config.serve.to_dict())
+    if stage.name in drift.EVAL_SHARING_STAGES:  # serve, route: spec_eval's prompts and mesh
+        cfg = ml_collections.ConfigDict(config[stage.name].to_dict())
         cfg.data = copy.deepcopy(config.spec_eval.data)
         cfg.eval = copy.deepcopy(config.spec_eval.eval)
         cfg.mesh = copy.deepcopy(config.spec_eval.mesh)

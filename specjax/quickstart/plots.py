@@ -3,6 +3,9 @@
 quality_vs_latency.png      held-out loss against time per token (batch 1, serve) of the target,
                             the drafts served alone and the speculative pairs: the question's
                             answer in one picture (lower left is better), the bigram as a line
+route_quality_vs_latency.png
+                            with a route stage: quality cost against latency relative to the
+                            target of the router's and the cascade's curves (report_route)
 acceptance_by_position.png  conditional acceptance at each draft position, per draft, with
                             bootstrap intervals and the examined counts
 speedup_vs_k.png            measured speedup (median, bars: range over repeats) beside the
@@ -23,6 +26,7 @@ import numpy as np
 
 from specjax.evaluation.tables import human_label
 from specjax.quickstart import report_data as qr
+from specjax.quickstart.report_route import route_quality_vs_latency
 from specjax.sweeps.plots import new_figure
 
 _MAIN = ('T=0', 'T=1,top_k=0,top_p=1')
@@ -231,6 +235,7 @@ def quality_vs_latency(d: dict, out_dir: str) -> str:
 
 PLOTS = (
     quality_vs_latency,
+    route_quality_vs_latency,  # None without a route stage
     acceptance_by_position,
     speedup_vs_k,
     alpha_over_steps,
@@ -240,4 +245,4 @@ PLOTS = (
 
 def write_all(d: dict, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    return [plot(d, out_dir) for plot in PLOTS]
+    return [path for path in (plot(d, out_dir) for plot in PLOTS) if path]

@@ -15,6 +15,7 @@ from specjax import jsonio
 from specjax.quickstart import plots as quickstart_plots
 from specjax.quickstart.report_data import accelerator_model, load, ref_k, run_at
 from specjax.quickstart.report_feature import section_feature_goals
+from specjax.quickstart.report_route import section_route
 from specjax.quickstart.report_runs import section_reduced_vocab, section_setup, section_training
 from specjax.quickstart.report_serving import (
     break_even,
@@ -52,6 +53,7 @@ def render(d: dict, plots: list[str]) -> str:
     ]
     lines += section_verdict(d)
     lines += section_targets(d)
+    lines += section_route(d)
     lines += section_feature_goals(d)
     lines += section_break_even_alpha(d)
     lines += section_reduced_vocab(d)

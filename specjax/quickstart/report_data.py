@@ -62,6 +62,9 @@ def load(root: str) -> dict:
             d['target']['eval']['loss_all'] = tc['target_val_loss_all']
             d['target']['baselines'] = tc.get('baselines', {})
     d['serve'] = _json(os.path.join(root, 'serve', 'serve.json'))
+    route = os.path.join(root, 'route', 'route.json')  # the SmolLM2 preset's router and cascade
+    if os.path.exists(route):
+        d['route'] = _json(route)
     d['curves'] = {s: alpha_curve(root, s) for s in ('draft_ce', 'draft_distilled', 'cotrain')}
     return d
 

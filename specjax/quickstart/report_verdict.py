@@ -14,6 +14,7 @@ from __future__ import annotations
 from specjax.evaluation import intervals
 from specjax.evaluation.tables import fmt, markdown_table
 from specjax.quickstart.report_data import accelerator_model, cost_ratios, pairs, serve_row
+from specjax.quickstart.report_route import route_row
 
 ACCELERATOR_KS = (1, 2, 3, 4, 5, 6, 7, 8)  # k the accelerator model may choose (v = 1)
 BIGRAM_MARGIN = 0.3  # nats: the target "beats the bigram" by at least this much
@@ -104,6 +105,8 @@ def verdict_rows(d: dict) -> list[list]:
         row = _spec_row(d, 'spec_ngram', 'speculate with no training (n-gram prompt lookup)', '')
         row[3] = 0.0  # nothing trained
         rows.append(row)
+    if d.get('route', {}).get('best_signal'):  # the fourth answer: student, else target tier
+        rows.append(route_row(d))
     return rows
 
 

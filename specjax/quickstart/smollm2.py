@@ -20,6 +20,8 @@ them alike: each in <workdir>/<stage>, finished when its results file exists):
   spec_ngram       spec_eval with the training-free n-gram (prompt-lookup) draft
                    (config.spec_ngram.draft_kind 'ngram'): needs only the target; serve serves
                    it too (config.serve.ngram_k)
+  route            the request-level router and the speculative cascade between the distilled
+                   student and the target (specjax.evaluation.route_stage; after serve)
 The cotrain stage is not part of this preset: co-training updates the 135M target, which this
 CPU cannot do in the quickstart's budget (the report says so).
 
@@ -305,6 +307,12 @@ def run_serve(cfg, wd, root):
     serving.run(_with_tokenizer(cfg, root), wd, root)
 
 
+def run_route(cfg, wd, root):
+    from specjax.evaluation import route_stage
+
+    route_stage.run(_with_tokenizer(cfg, root), wd, root)
+
+
 def stages(config=None):
     """The Stage tuple of this preset (specjax.quickstart.stages.Stage). serve needs
     spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
@@ -351,13 +359,8 @@ def stages(config=None):
             ('target',),
             spec_eval_stage('ngram'),
         ),
-        Stage(
-            'serve',
-            'serve',
-            'serve.json',
-            serve_needs,
-            run_serve,
-        ),
+        Stage('serve', 'serve', 'serve.json', serve_needs, run_serve),
+        Stage('route', 'route', 'route.json', ('target', 'draft_distilled', 'serve'), run_route),
         Stage(
             'report',
             '',
@@ -373,6 +376,7 @@ def stages(config=None):
                 'spec_feature',
                 'spec_ngram',
                 'serve',
+                'route',
             ),
             run_report,
         ),  # fmt: skip
