@@ -30,7 +30,7 @@ AdamW state and the buffer):
 
 Presets (`:size=...`):
   tiny   a 0.2M-parameter target and 20k-parameter drafts on the embedded corpus (vocabulary
-         1024), 192 requests of 32 tokens; budget 5 minutes on a 2-core CPU.
+         1024), 384 requests of up to 32 tokens; budget 5 minutes on a 2-core CPU.
 Any field is a flag, e.g. --config.online.steps=8 --config.online.divergence=tvd
 --config.stream.requests=384; --config.seed=N sets every stage's seed.
 """
@@ -48,16 +48,16 @@ _PRESETS = {
     'tiny': dict(
         vocab_size=1024,
         seq_len=64,  # training rows; also every model's max_len (>= prompt + tokens + k + 1)
-        target=('tiny', 150, 8),  # shape (presets.TARGETS), steps, batch
-        draft=('test', 120, 8),  # shape (presets.DRAFTS), steps, batch
+        target=('tiny', 600, 16, 5e-3),  # shape (presets.TARGETS), steps, batch, lr
+        draft=('test', 400, 8, 3e-3),  # shape (presets.DRAFTS), steps, batch, lr
     ),
 }
 
 
-def _train(t, steps: int, batch: int) -> None:
+def _train(t, steps: int, batch: int, lr: float) -> None:
     t.steps = steps
     t.batch_size = batch
-    t.lr = 3e-3
+    t.lr = lr
     t.warmup_steps = max(steps // 10, 1)
     t.log_every = max(steps // 5, 1)
     t.eval_every = steps
@@ -68,13 +68,13 @@ def _train(t, steps: int, batch: int) -> None:
 
 def _draft(p: dict, data) -> ml_collections.ConfigDict:
     """A distill config: FKL on the target's continuations of one domain's prompts."""
-    shape, steps, batch = p['draft']
+    shape, steps, batch, lr = p['draft']
     c = load_config(_config_path('distill.py:size=test'))
     c.data = data  # the run's config.data itself: one corpus and tokenizer for every stage
     c.draft.update(presets.shape('draft', shape))
     c.draft.vocab_size = p['vocab_size']
     c.draft.max_len = p['seq_len']
-    _train(c.train, steps, batch)
+    _train(c.train, steps, batch, lr)
     d = c.distill
     d.source, d.divergence = 'teacher', 'fkl'
     d.prompt_len, d.max_new_tokens = 16, 32
@@ -106,13 +106,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.draft_workdir = ''  # the starting draft ('' = distill config.draft in <workdir>/draft)
     c.retrained_workdir = ''  # the upper bound ('' = config.retrained in <workdir>/retrained)
 
-    shape, steps, batch = p['target']
+    shape, steps, batch, lr = p['target']
     c.target = load_config(_config_path('pretrain.py:size=tiny'))  # a pretrain config
     c.target.data = c.data  # shared (one object): --config.data.X sets every stage's
     c.target.model.update(presets.shape('target', shape))
     c.target.model.vocab_size = p['vocab_size']
     c.target.model.max_len = p['seq_len']
-    _train(c.target.train, steps, batch)
+    _train(c.target.train, steps, batch, lr)
     c.draft = _draft(p, c.data)  # distilled on stream.domains[0]
     c.retrained = _draft(p, c.data)  # distilled on stream.domains[1]
 

@@ -169,7 +169,7 @@ def _overrides(data_dir: str, **workdirs) -> list[tuple[str, str]]:
     stream.update(max_new_tokens=8, k=2)
     out += [(f'stream.{k}', str(v)) for k, v in stream.items()]
     online = dict(update_every=8, steps=2, batch_size=4, buffer_size=64, wrong_below=0.95)
-    online.update(right_fraction=0.5)  # untrained models agree: alpha ~0.9
+    online.update(right_fraction=0.5, learn_every=2)  # untrained models agree: alpha ~0.9
     out += [(f'online.{k}', str(v)) for k, v in online.items()]
     out += [(f'{k}_workdir', v) for k, v in workdirs.items()]
     return out

@@ -31,14 +31,14 @@ def default_stream_config() -> ml_collections.ConfigDict:
     """config.stream: the requests served, and how they are reported."""
     c = ml_collections.ConfigDict()
     c.domains = ('code', 'prose')  # the corpus domain before the shift, and after it
-    c.requests = 192  # requests in the stream; the shift is at requests // 2
+    c.requests = 384  # requests in the stream; the shift is at requests // 2
     c.split = 'validation'  # split whose documents the prompts are cut from
     c.prompt_len_min = 8  # prompt tokens, uniform in [min, max] per request
     c.prompt_len_max = 24
     c.max_new_tokens = 32  # tokens served per request (fewer after eos)
     c.stop_at_eos = True  # a request ends at the tokenizer's eos
     c.batch_size = 8  # requests per sampler call (a round); divides every count below
-    c.window = 16  # requests per reported window (a multiple of batch_size dividing the halves)
+    c.window = 32  # requests per reported window (a multiple of batch_size dividing the halves)
     c.k = 4  # draft tokens per speculative round
     return c
 
@@ -49,8 +49,9 @@ def default_online_config() -> ml_collections.ConfigDict:
     c.buffer_size = 1024  # entries the FIFO buffer holds (its memory: results' buffer.bytes)
     c.max_buffer_mib = 256.0  # a config whose buffer would take more is refused
     c.wrong_below = 0.5  # a position enters when the draft's alpha_t there is below this ...
-    c.right_fraction = 0.1  # ... and each other position with this probability
+    c.right_fraction = 1.0  # ... and each other position with this probability (findings.md)
     c.update_every = 16  # requests between updates (a multiple of stream.batch_size)
+    c.learn_every = 1  # the online arm's rounds re-scored into the buffer: every n-th (1: all)
     c.steps = 4  # distillation steps per update
     c.batch_size = 8  # requests per step, each a row with all of its buffered entries
     c.checkpoint_every = 1  # updates between checkpoints of the draft, its optimizer and buffer
@@ -58,7 +59,7 @@ def default_online_config() -> ml_collections.ConfigDict:
     c.beta = 0.5  # JSD(beta) weight
     c.loss_temperature = 1.0  # applied to the stored target log-probs and the draft's logits
     c.scale_by_t2 = False
-    c.lr = 1e-3  # constant learning rate of the draft's AdamW (a fresh optimizer state)
+    c.lr = 3e-3  # constant learning rate of the draft's AdamW (a fresh optimizer state)
     c.b1 = 0.9
     c.b2 = 0.95
     c.eps = 1e-8
@@ -135,6 +136,7 @@ def check_online(o, stream, width: int, vocab: int) -> tuple[int, int]:
     _int(o.batch_size, 'config.online.batch_size', 1)
     size = _int(o.buffer_size, 'config.online.buffer_size', 1)
     _int(o.checkpoint_every, 'config.online.checkpoint_every', 1)
+    _int(o.learn_every, 'config.online.learn_every', 1)
     for name in ('loss_temperature', 'lr', 'max_buffer_mib'):
         if isinstance(o[name], bool) or not o[name] > 0:
             raise ValueError(f'config.online.{name} must be > 0, got {o[name]!r}')

@@ -152,7 +152,7 @@ class OnlineRun:
                 self.tgd, self.dgd[a], self.settings.sampling, self.mesh, logp
             )
             for a in report.ARMS
-            for logp in (a == 'online',)
+            for logp in ((False, True) if a == 'online' else (False,))
         }
         tx = make_optimizer(optimizer_config(self.o, self.settings.total_steps))
         self.plan = plan_train_state(self.draft_cfg, tx, self.seed, self.mesh, draft_rules)
@@ -300,7 +300,7 @@ class OnlineRun:
                 arm = report.ARMS[(r + j) % len(report.ARMS)]
                 params = state.params if arm == 'online' else self.params[arm]
                 out, stats, wall, cpu = self._serve(arm, params, prompts, lengths, key)
-                if arm == 'online':
+                if arm == 'online' and r % int(self.o.learn_every) == 0:
                     alpha, mask = self._learn(
                         windows[arm], r, params, prompts, lengths, out, buffer
                     )

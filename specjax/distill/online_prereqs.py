@@ -1,6 +1,9 @@
 """The online mode's three models, each a workdir given in the config or trained here first:
 
   target     config.target_workdir, else config.target trained in <workdir>/target (pretrain)
+             on rows of both of the stream's domains, balanced row by row (the embedded
+             corpus is 95 % code by tokens: trained on it as it is, a small target barely
+             learns prose and has no domain of its own to shift to)
   draft      config.draft_workdir, else config.draft distilled from the target in
              <workdir>/draft on the stream's first domain (the draft the stream starts with;
              served unchanged it is the frozen arm)
@@ -88,12 +91,12 @@ def prepare(config, workdir: str, tok) -> Prerequisites:
         cfg = _stage_config(config, stage, paths['target'])
         if _finished(stage, cfg, paths[stage]):
             continue
+        which = {'target': (0, 1), 'draft': (0,), 'retrained': (1,)}[stage]
+        domains = [config.stream.domains[i] for i in which]
+        data = domain_run_data(cfg, tok, domains, [f'config.stream.domains[{i}]' for i in which])
         if stage == 'target':
-            result = pretrain(cfg, paths[stage])
+            result = pretrain(cfg, paths[stage], data=data)
         else:
-            domain = config.stream.domains[0 if stage == 'draft' else 1]
-            field = f'config.stream.domains[{0 if stage == "draft" else 1}]'
-            data = domain_run_data(cfg, tok, domain, field)
             result = run_distill(cfg, paths[stage], data=data)
         trained.append(stage)
         if workdir_lib.was_preempted(result):

@@ -48,12 +48,14 @@ def _window(rng, source, docs, length: int, prompt: bool = False) -> np.ndarray:
 
 class DomainRows:
     """Infinite iterator of host batches in the data pipeline's layout (tokens, segment_ids,
-    positions, domain_ids, int32 [B, T]) whose rows are windows of one domain's documents, one
-    window per row (segment 1, padding 0 after a short document); batch n is drawn from
-    (seed, n), so get_state() / set_state() ({'batch': n}) resume it exactly."""
+    positions, domain_ids, int32 [B, T]) whose rows are windows of documents, one window per
+    row (segment 1, padding 0 after a short document); `parts` is a list of (document source,
+    document indices, domain id), row r of batch n taken from part (n * B + r) % len(parts), so
+    two parts are balanced whatever their sizes. Batch n is drawn from (seed, n):
+    get_state() / set_state() ({'batch': n}) resume it exactly."""
 
-    def __init__(self, source, docs, *, domain_id: int, batch_size: int, seq_len: int, seed: int):
-        self.source, self.docs, self.domain_id = source, docs, int(domain_id)
+    def __init__(self, parts, *, batch_size: int, seq_len: int, seed: int):
+        self.parts = list(parts)
         self.batch_size, self.seq_len, self.seed = int(batch_size), int(seq_len), int(seed)
         self.batch = 0
 
@@ -62,6 +64,7 @@ class DomainRows:
 
     def __next__(self) -> dict:
         rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.batch, _ROWS_TAG])
+        first = self.batch * self.batch_size
         self.batch += 1
         shape = (self.batch_size, self.seq_len)
         out = {
@@ -71,12 +74,13 @@ class DomainRows:
             'domain_ids': np.full(shape, -1, np.int32),
         }
         for row in range(self.batch_size):
-            piece = _window(rng, self.source, self.docs, self.seq_len)
+            source, docs, domain_id = self.parts[(first + row) % len(self.parts)]
+            piece = _window(rng, source, docs, self.seq_len)
             n = len(piece)
             out['tokens'][row, :n] = piece
             out['segment_ids'][row, :n] = 1
             out['positions'][row, :n] = np.arange(n)
-            out['domain_ids'][row, :n] = self.domain_id
+            out['domain_ids'][row, :n] = domain_id
         return out
 
     def get_state(self) -> dict:
@@ -86,30 +90,33 @@ class DomainRows:
         self.batch = int(state['batch'])
 
 
-def domain_run_data(config, tok, domain: str, field: str) -> RunData:
-    """RunData of a distill config (config.data, .train, .seed) restricted to `domain`: train
-    rows from the train split, config.train.eval_batches fixed batches from the eval split; the
-    corpus identity names the domain (a checkpoint of another domain is refused)."""
+def domain_run_data(config, tok, domains, fields) -> RunData:
+    """RunData of a training config (config.data, .train, .seed) whose rows come from
+    `domains` (names; several: balanced row by row), fields naming each in errors: train rows
+    from the train split, config.train.eval_batches fixed batches from the eval split; the
+    corpus identity names the domains (a checkpoint of other domains is refused)."""
     from specjax.data import corpus_identity
 
     data = config.data
     names = tuple(open_dataset(data).domain_names)
     batch, seq_len = int(config.train.batch_size), int(data.seq_len)
-    source, docs = domain_documents(data, tok, data.train_split, domain, field)
-    train = DomainRows(
-        source, docs, domain_id=names.index(domain), batch_size=batch, seq_len=seq_len,
-        seed=int(config.seed),
-    )  # fmt: skip
-    eval_source, eval_docs = domain_documents(data, tok, data.eval_split, domain, field)
-    held_out = DomainRows(
-        eval_source, eval_docs, domain_id=names.index(domain), batch_size=batch,
-        seq_len=seq_len, seed=int(config.seed) + 1,
-    )  # fmt: skip
+
+    def parts(split):
+        out = []
+        for domain, field in zip(domains, fields, strict=True):
+            source, docs = domain_documents(data, tok, split, domain, field)
+            out.append((source, docs, names.index(domain)))
+        return out
+
+    train = DomainRows(parts(data.train_split), batch_size=batch, seq_len=seq_len,
+                       seed=int(config.seed))  # fmt: skip
+    held_out = DomainRows(parts(data.eval_split), batch_size=batch, seq_len=seq_len,
+                          seed=int(config.seed) + 1)  # fmt: skip
     return RunData(
         train=train,
         eval_batches=[next(held_out) for _ in range(int(config.train.eval_batches))],
         tokenizer=tok.identity(),
-        corpus=dict(corpus_identity(data), domain=domain),
+        corpus=dict(corpus_identity(data), domains=list(domains)),
         vocab_size=tok.vocab_size,
         domains=names,
         eos_id=tok.eos_id,
