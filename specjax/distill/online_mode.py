@@ -54,7 +54,6 @@ from specjax.train.optimizer import make_optimizer
 from specjax.train.state import TrainState, plan_train_state
 
 ONLINE_FILE = 'online.json'
-PLOT_DIR = 'plots'
 _STATS = ('row_emitted', 'row_rounds', 'row_accepted', 'row_examined')
 
 
@@ -345,7 +344,7 @@ class OnlineRun:
         rows = progress['rows']
         domains = tuple(self.stream_cfg.domains)
         summary = report.summarize(rows, domains)
-        plot = _kept_plot(self.workdir, rows, domains, int(self.stream_cfg.window))
+        plot = report.write_plot(self.workdir, rows, domains, int(self.stream_cfg.window))
         online = {'rows': rows, 'summary': summary, 'arms': list(report.ARMS)}
         workdir_lib.write_results(self.workdir, MODE, online, self.config, name=ONLINE_FILE)
         results = {
@@ -386,17 +385,3 @@ def target_vocab_of(graphdef) -> int:
     from specjax.sampling.common import config_of
 
     return int(config_of(graphdef).vocab_size)
-
-
-def _kept_plot(workdir, rows, domains, window) -> str:
-    """Draws plots/online_alpha.png; an existing one (an interrupted earlier finish) is kept as
-    online_alpha.prev[-n].png first."""
-    out_dir = os.path.join(workdir, PLOT_DIR)
-    path = os.path.join(out_dir, 'online_alpha.png')
-    if os.path.exists(path):
-        n, keep = 1, os.path.join(out_dir, 'online_alpha.prev.png')
-        while os.path.exists(keep):
-            n += 1
-            keep = os.path.join(out_dir, f'online_alpha.prev-{n}.png')
-        os.replace(path, keep)
-    return report.plot_alpha(rows, domains, window, out_dir)

@@ -195,3 +195,17 @@ def plot_alpha(rows: list[dict], domains, window: int, out_dir: str) -> str:
     path = os.path.join(out_dir, 'online_alpha.png')
     fig.savefig(path, dpi=120, bbox_inches='tight')
     return path
+
+
+def write_plot(workdir, rows, domains, window) -> str:
+    """Draws plots/online_alpha.png; an existing one (an interrupted earlier finish) is kept as
+    online_alpha.prev[-n].png first."""
+    out_dir = os.path.join(workdir, 'plots')
+    path = os.path.join(out_dir, 'online_alpha.png')
+    if os.path.exists(path):
+        n, keep = 1, os.path.join(out_dir, 'online_alpha.prev.png')
+        while os.path.exists(keep):
+            n += 1
+            keep = os.path.join(out_dir, f'online_alpha.prev-{n}.png')
+        os.replace(path, keep)
+    return plot_alpha(rows, domains, window, out_dir)
