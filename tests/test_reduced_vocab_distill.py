@@ -231,10 +231,11 @@ def test_smollm2_preset_parses_and_validates(tmp_path):
         c = _load_config(arg)
         assert (c.preset, c.size) == ('smollm2', 'tiny')
         assert c.draft_ce.draft.vocab_size == c.teacher_cache.reduced_vocab_size
-    assert _load_config('preset=smollm2').size == 'full'
+    assert _load_config('preset=smollm2').size == 'quick'  # the main job's default size
     names = [s.name for s in quickstart.selected(c)]
     assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'draft_feature',
-                     'spec_ce', 'spec_distilled', 'spec_feature', 'serve', 'report']  # fmt: skip
+                     'spec_ce', 'spec_distilled', 'spec_feature', 'spec_ngram', 'serve', 'route',
+                     'report']  # fmt: skip
     assert 'cotrain' not in names
     quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))  # nothing recorded: ok
     c.stages = 'draft_ce'

@@ -153,7 +153,9 @@ def acceptance_by_temperature_domain(d: dict, out_dir: str) -> str:
     width = 0.8 / len(pairs)
     labels = qr.labels(d['spec_distilled'])
     for i, (stage, (name, _)) in enumerate(pairs):
-        runs = [qr.run_at(d[stage], lab, k) for lab in labels]
+        runs = [qr.run_at(d[stage], lab, k) for lab in labels if qr.has_run(d[stage], lab, k)]
+        if len(runs) < len(labels):  # a pair evaluated at other ks (its own grid)
+            continue
         vals = [r['acceptance_rate'] for r in runs]
         bars = _yerr(vals, [qr.interval(r, 'acceptance_rate') for r in runs])
         x = np.arange(len(labels)) + (i - (len(pairs) - 1) / 2) * width

@@ -133,6 +133,11 @@ def ref_k(spec: dict) -> int:
     return max([k for k in ks if k <= REF_K] or ks[:1])
 
 
+def has_run(spec: dict, label: str, k: int) -> bool:
+    """Whether spec_eval evaluated k at this sampling label (pairs may have their own ks)."""
+    return any(r['k'] == k for r in spec_runs(spec, label))
+
+
 def run_at(spec: dict, label: str, k: int) -> dict:
     return next(r for r in spec_runs(spec, label) if r['k'] == k)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from specjax.evaluation.tables import fmt, fmt_interval, human_label, markdown_table
 from specjax.quickstart.report_data import (
+    has_run,
     interval,
     labels,
     position_counts,
@@ -58,6 +59,8 @@ def feature_goal_rows(d: dict) -> list[list]:
     found = _sampling_labels(spec)
     for name, key in (('alpha', 'alpha'), ('tau', 'block_efficiency')):
         for t, label in found.items():
+            if not has_run(spec, label, k):  # k not evaluated at this sampling
+                continue
             r = run_at(spec, label, k)
             goal = FEATURE_GOALS[name][t]
             rows.append(
@@ -138,6 +141,8 @@ def section_feature_goals(d: dict) -> list[str]:
     ]
     where = []
     for label in _sampling_labels(spec).values():
+        if not has_run(spec, label, k):
+            continue
         first, later = first_and_later(run_at(spec, label, k))
         where.append(f'{human_label(label)}: {fmt(first)} at position 1, {fmt(later)} after')
     if where and k > 1:

@@ -9,7 +9,7 @@ specjax.evaluation.tables.fmt.
 from __future__ import annotations
 
 from specjax.evaluation.tables import fmt, markdown_table
-from specjax.quickstart.report_data import PAIRS, input_digests, labels, pairs, ref_k, run_at
+from specjax.quickstart.report_data import PAIRS, has_run, input_digests, pairs, ref_k, run_at
 
 COTRAIN_SKIPPED = (
     'Co-training: not run in this preset (it updates the 135M target, which this CPU cannot '
@@ -148,7 +148,9 @@ def section_training(d: dict) -> list[str]:
     k = ref_k(d['spec_distilled'])
     label = 'T=1,top_k=0,top_p=1'  # spec_eval's sampling label (human_label: 'T = 1')
     tau = {
-        s: run_at(d[s], label, k)['block_efficiency'] if s in d and label in labels(d[s]) else None
+        s: run_at(d[s], label, k)['block_efficiency']
+        if s in d and has_run(d[s], label, k)
+        else None
         for s in PAIRS
     }
     return [

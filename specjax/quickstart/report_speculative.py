@@ -13,6 +13,7 @@ from specjax.quickstart.report_data import (
     accelerator_model,
     ar_run,
     cost_ratios,
+    has_run,
     interval,
     labels,
     pairs,
@@ -136,6 +137,8 @@ def section_buckets(d: dict) -> list[str]:
     rows = []
     for stage, (name, _) in pairs(d).items():
         for label in labels(d[stage]):
+            if not has_run(d[stage], label, k):  # a pair evaluated at its own ks
+                continue
             r = run_at(d[stage], label, k)
             rows.append(
                 [name, human_label(label), r['acceptance_rate'], r['alpha'], r['block_efficiency']]
@@ -210,7 +213,7 @@ def section_targets(d: dict) -> list[str]:
     rows = []
     k = ref_k(d['spec_distilled'])
     for label in ('T=1,top_k=0,top_p=1', 'T=0'):
-        if label not in labels(d['spec_ce']) or label not in labels(d['spec_distilled']):
+        if not (has_run(d['spec_ce'], label, k) and has_run(d['spec_distilled'], label, k)):
             continue
         ce, di = run_at(d['spec_ce'], label, k), run_at(d['spec_distilled'], label, k)
         ratio = di['block_efficiency'] / ce['block_efficiency']
