@@ -19,17 +19,6 @@ jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
-# -n auto (pyproject.toml addopts): a worker holds up to ~5 GiB (SmolLM2's tests and their
-# compiled programs), so one worker per core and per 6 GiB of memory.
-_WORKER_MEMORY_BYTES = 6 * 2**30
-
-
-def pytest_xdist_auto_num_workers(config):
-    del config
-    memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    return max(1, min(os.cpu_count() or 1, memory // _WORKER_MEMORY_BYTES))
-
-
 @pytest.fixture
 def highest_precision():
     """float32 matmuls at full precision, so cached/uncached paths compare within 1e-5."""
