@@ -133,6 +133,7 @@ _ESTIMATES = {
         spec_ngram=120,
         serve=50,
         route=90,
+        tasks=240,  # to be measured
         report=5,
     ),
     'quick': dict(  # to be measured (docs/quickstart.md); the ETA rescales them by the pace
@@ -161,6 +162,7 @@ _ESTIMATES = {
         spec_ngram=15,
         serve=17,
         route=30,
+        tasks=150,  # to be measured
         report=3,
     ),
 }
@@ -170,6 +172,15 @@ _ROUTE = {
     'full': dict(prompts=8, leniences=(0.25, 0.5, 0.75, 1.0)),
     'quick': dict(prompts=4, leniences=(0.3, 0.6, 1.0)),
     'tiny': dict(prompts=2, leniences=(0.5, 1.0)),
+}
+# the tasks stage per size (specjax.evaluation.task_stage): JSON extraction tasks (count 0: no
+# tasks stage; the quick main job leaves it out - its compiles alone take minutes), the longest
+# function shown (characters; with Python 3.11's stdlib, 11 validation-split functions fit 300
+# and 7 fit 240), answer tokens, timed repeats
+_TASKS = {
+    'full': dict(count=8, max_chars=300, max_new_tokens=48, repeats=2),
+    'quick': dict(count=0, max_chars=300, max_new_tokens=48, repeats=1),
+    'tiny': dict(count=2, max_chars=240, max_new_tokens=40, repeats=1),
 }
 
 
@@ -357,6 +368,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     # the verdict's floor: target log-likelihood per token within this of the target's own
     c.route.quality_floor_nats = 0.1
     c.route.repeats = 1  # timed passes over the prompts (medians)
+
+    # the tasks stage (specjax.evaluation.task_stage): JSON answers under a schema, greedy at
+    # batch 1, the target / the distilled student alone (constrained and not) and speculation
+    # with every draft serve measured at serve's k (under the schema's grammar)
+    c.tasks = ml_collections.ConfigDict(_TASKS[size])
+    c.tasks.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')  # the n-gram draft's
+    c.tasks.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)
