@@ -217,3 +217,19 @@ def test_the_reduced_student_writes_only_its_ids_and_valid_documents(answered):
         jsonschema.validate(json.loads(text), SMALL)
     free = answers['student_free']
     assert all(np.isin(r[:n], ids).all() for r, n in zip(free['tokens'], free['lengths']))
+
+
+def test_fit_max_len_keeps_the_parameters_and_the_logits():
+    """A draft trained on short rows gets a larger max_len and the same function (RoPE stores
+    no positions); a model whose parameters a plain Transformer would not hold is refused."""
+    from flax import nnx
+
+    from specjax.models import Transformer, apply
+
+    short = Transformer(tiny_config(11, max_len=8), rngs=nnx.Rngs(0))
+    long = task_stage.fit_max_len(short, 40)
+    assert long.config.max_len == 40 and task_stage.fit_max_len(short, 8) is short
+    x = np.array([[1, 2, 3, 4, 5]], np.int32)
+    np.testing.assert_array_equal(apply(*split(long), x), apply(*split(short), x))
+    with pytest.raises(ValueError, match='a max_len of 40 changes'):
+        task_stage.fit_max_len(make_model(tiny_config(11, max_len=8), seed=0), 40)

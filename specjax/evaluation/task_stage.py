@@ -93,7 +93,10 @@ def fit_max_len(model, need: int):
         return model
     graphdef, abstract = abstract_model(dataclasses.replace(model.config, max_len=need))
     params = split(model)[1]
-    shapes = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+    shapes = lambda tree: [
+        (jax.tree_util.keystr(path), tuple(x.shape), str(x.dtype))
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
     if shapes(abstract) != shapes(params):
         raise ValueError(f"fit_max_len: a max_len of {need} changes the model's parameters")
     return merge(graphdef, params)
