@@ -13,7 +13,8 @@ cross-entropy on the corpus rows, DistillSpec's baseline, vs FKL to the cached t
 continuations, its best setting), draft_feature (EAGLE-3), spec_ce, spec_distilled,
 spec_feature, spec_ngram (the training-free n-gram draft: no draft stage), serve, route (the
 request-level router and the speculative cascade between the distilled student and the target),
-report. No cotrain: it would train the 135M target.
+tasks (JSON answers under a schema: full and tiny only, config.tasks.count), report. No cotrain:
+it would train the 135M target.
 
 Presets: quick (default: the main job, configs/quickstart.py with no argument; fewer rows,
 steps and prompts, 15 minutes with the install on a quiet 2-core CPU), full (the 30-minute run;
