@@ -13,7 +13,8 @@ cross-entropy on the corpus rows, DistillSpec's baseline, vs FKL to the cached t
 continuations, its best setting), draft_feature (EAGLE-3), spec_ce, spec_distilled,
 spec_feature, spec_ngram (the training-free n-gram draft: no draft stage), serve, route (the
 request-level router and the speculative cascade between the distilled student and the target),
-report. No cotrain: it would train the 135M target.
+tasks (JSON answers under a schema: full and tiny only, config.tasks.count), report. No cotrain:
+it would train the 135M target.
 
 Presets: quick (default: the main job, configs/quickstart.py with no argument; fewer rows,
 steps and prompts, 15 minutes with the install on a quiet 2-core CPU), full (the 30-minute run;
@@ -134,6 +135,7 @@ _ESTIMATES = {
         spec_ngram=120,
         serve=50,
         route=90,
+        tasks=240,  # to be measured
         report=5,
     ),
     'quick': dict(  # measured 2026-12-06 in a fresh clone, quiet (docs/quickstart.md)
@@ -162,6 +164,7 @@ _ESTIMATES = {
         spec_ngram=15,
         serve=17,
         route=30,
+        tasks=150,  # to be measured
         report=3,
     ),
 }
@@ -171,6 +174,15 @@ _ROUTE = {
     'full': dict(prompts=8, leniences=(0.25, 0.5, 0.75, 1.0)),
     'quick': dict(prompts=4, leniences=(0.3, 0.6, 1.0)),
     'tiny': dict(prompts=2, leniences=(0.5, 1.0)),
+}
+# the tasks stage per size (specjax.evaluation.task_stage): JSON extraction tasks (count 0: no
+# tasks stage; the quick main job leaves it out - its compiles alone take minutes), the longest
+# function shown (characters; with Python 3.11's stdlib, 11 validation-split functions fit 300
+# and 7 fit 240), answer tokens, timed repeats
+_TASKS = {
+    'full': dict(count=8, max_chars=300, max_new_tokens=48, repeats=2),
+    'quick': dict(count=0, max_chars=300, max_new_tokens=48, repeats=1),
+    'tiny': dict(count=2, max_chars=240, max_new_tokens=40, repeats=1),
 }
 
 
@@ -359,6 +371,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     # the verdict's floor: target log-likelihood per token within this of the target's own
     c.route.quality_floor_nats = 0.1
     c.route.repeats = 1  # timed passes over the prompts (medians)
+
+    # the tasks stage (specjax.evaluation.task_stage): JSON answers under a schema, greedy at
+    # batch 1, the target / the distilled student alone (constrained and not) and speculation
+    # with every draft serve measured at serve's k (under the schema's grammar)
+    c.tasks = ml_collections.ConfigDict(_TASKS[size])
+    c.tasks.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')  # the n-gram draft's
+    c.tasks.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -235,8 +235,15 @@ def test_smollm2_preset_parses_and_validates(tmp_path):
     names = [s.name for s in quickstart.selected(c)]
     assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'draft_feature',
                      'spec_ce', 'spec_distilled', 'spec_feature', 'spec_ngram', 'serve', 'route',
-                     'report']  # fmt: skip
+                     'tasks', 'report']  # fmt: skip
     assert 'cotrain' not in names
+    # the tasks stage where config.tasks.count > 0: full and tiny, not the quick main job
+    assert 'tasks' in [
+        s.name for s in quickstart.selected(_load_config('preset=smollm2,size=full'))
+    ]
+    quick = _load_config('preset=smollm2')
+    assert 'tasks' not in [s.name for s in quickstart.selected(quick)]
+    assert 'tasks' not in next(s for s in quickstart.selected(quick) if s.name == 'report').prereqs
     quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))  # nothing recorded: ok
     c.stages = 'draft_ce'
     with pytest.raises(quickstart.StageError, match="needs stage 'target'"):

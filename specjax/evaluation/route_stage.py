@@ -66,8 +66,9 @@ def choose_tier(serve: dict, tier: str) -> dict:
     return {'method': tier, 'k': rows[tier].get('k')}
 
 
-def _tier_draft(cfg, root: str, method: str, mesh, rules):
-    """(draft model or NGramDraft, its vocabulary ids or None) of a spec_ tier."""
+def load_spec_draft(cfg, root: str, method: str, mesh, rules):
+    """(draft model or NGramDraft, its vocabulary ids or None) of a spec_ method (serve's
+    names: spec_<draft workdir>, spec_ngram with cfg.ngram_max_n / ngram_min_n)."""
     name = 'draft_' + method[len('spec_') :]
     if name == 'draft_ngram':
         return NGramDraft(int(cfg.ngram_max_n), int(cfg.ngram_min_n)), None
@@ -134,7 +135,7 @@ def _paths(cfg, root, mesh, rules, tier, serve_k):
         'student': (make_autoregressive_fn(s_gd, **common), [s_params], s_ids),
     }
     if tier['method'] != 'target':
-        draft, d_ids = _tier_draft(cfg, root, tier['method'], mesh, rules)
+        draft, d_ids = load_spec_draft(cfg, root, tier['method'], mesh, rules)
         d_gd, d_params = split(draft) if not isinstance(draft, NGramDraft) else (draft, ())
         fn = make_speculative_fn(
             t_gd, d_gd, num_draft_tokens=int(tier['k']),

@@ -20,7 +20,7 @@ from specjax.config_diff import ABSENT, differences
 from specjax.workdir import at_default
 
 # stages whose config is their section plus spec_eval's data, eval, mesh and seed
-EVAL_SHARING_STAGES = ('serve', 'route')
+EVAL_SHARING_STAGES = ('serve', 'route', 'tasks')
 
 
 def source_path(config, stage, path: str) -> str:

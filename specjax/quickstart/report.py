@@ -28,6 +28,7 @@ from specjax.quickstart.report_speculative import (
     section_speculative,
     section_targets,
 )
+from specjax.quickstart.report_tasks import section_tasks
 from specjax.quickstart.report_verdict import section_verdict, verdict_text
 
 # tests read these here
@@ -54,6 +55,7 @@ def render(d: dict, plots: list[str]) -> str:
     lines += section_verdict(d)
     lines += section_targets(d)
     lines += section_route(d)
+    lines += section_tasks(d)
     lines += section_feature_goals(d)
     lines += section_break_even_alpha(d)
     lines += section_reduced_vocab(d)

@@ -65,6 +65,9 @@ def load(root: str) -> dict:
     route = os.path.join(root, 'route', 'route.json')  # the SmolLM2 preset's router and cascade
     if os.path.exists(route):
         d['route'] = _json(route)
+    tasks = os.path.join(root, 'tasks', 'tasks.json')  # the SmolLM2 preset's task bucket
+    if os.path.exists(tasks):
+        d['tasks'] = _json(tasks)
     d['curves'] = {s: alpha_curve(root, s) for s in ('draft_ce', 'draft_distilled', 'cotrain')}
     return d
 

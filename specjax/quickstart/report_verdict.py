@@ -15,6 +15,7 @@ from specjax.evaluation import intervals
 from specjax.evaluation.tables import fmt, markdown_table
 from specjax.quickstart.report_data import accelerator_model, cost_ratios, pairs, serve_row
 from specjax.quickstart.report_route import route_row
+from specjax.quickstart.report_tasks import tasks_sentence
 
 ACCELERATOR_KS = (1, 2, 3, 4, 5, 6, 7, 8)  # k the accelerator model may choose (v = 1)
 BIGRAM_MARGIN = 0.3  # nats: the target "beats the bigram" by at least this much
@@ -158,6 +159,7 @@ def section_verdict(d: dict) -> list[str]:
         ),
         '',
     ]
+    out += tasks_sentence(d)
     out += flags_section(d)
     return out
 

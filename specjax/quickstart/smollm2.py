@@ -22,6 +22,8 @@ them alike: each in <workdir>/<stage>, finished when its results file exists):
                    it too (config.serve.ngram_k)
   route            the request-level router and the speculative cascade between the distilled
                    student and the target (specjax.evaluation.route_stage; after serve)
+  tasks            JSON answers under a schema: target, student, speculation with each draft
+                   (specjax.evaluation.task_stage; after serve; only where config.tasks.count > 0)
 The cotrain stage is not part of this preset: co-training updates the 135M target, which this
 CPU cannot do in the quickstart's budget (the report says so).
 
@@ -313,14 +315,22 @@ def run_route(cfg, wd, root):
     route_stage.run(_with_tokenizer(cfg, root), wd, root)
 
 
+def run_tasks(cfg, wd, root):
+    from specjax.evaluation import task_stage
+
+    task_stage.run(_with_tokenizer(cfg, root), wd, root)
+
+
 def stages(config=None):
     """The Stage tuple of this preset (specjax.quickstart.stages.Stage). serve needs
     spec_distilled only to choose its k (config.serve.k = 0); with a fixed k it runs beside the
-    spec_eval stages. It serves the feature draft too (specjax.evaluation.serving)."""
+    spec_eval stages. It serves the feature draft too (specjax.evaluation.serving). The tasks
+    stage is there where config.tasks.count > 0 (None: always)."""
     from specjax.quickstart.smollm2_feature import run_draft_feature
     from specjax.quickstart.stages import Stage, run_report
 
     drafts = ('target', 'teacher_cache')
+    tasks = () if config is not None and int(config.tasks.count) < 1 else ('tasks',)
     fixed_k = config is not None and int(config.serve.k) > 0
     serve_needs = ('target', 'draft_ce', 'draft_distilled', 'draft_feature') + (
         () if fixed_k else ('spec_distilled',)
@@ -361,6 +371,7 @@ def stages(config=None):
         ),
         Stage('serve', 'serve', 'serve.json', serve_needs, run_serve),
         Stage('route', 'route', 'route.json', ('target', 'draft_distilled', 'serve'), run_route),
+        *[Stage(n, n, 'tasks.json', ('target', 'serve'), run_tasks) for n in tasks],
         Stage(
             'report',
             '',
@@ -377,6 +388,7 @@ def stages(config=None):
                 'spec_ngram',
                 'serve',
                 'route',
+                *tasks,
             ),
             run_report,
         ),  # fmt: skip
