@@ -70,9 +70,7 @@ def test_tasks_come_with_their_truth_and_a_stable_order():
     docs = [('pkg/mod.py', SOURCE), ('other.py', 'def f(y):\n    """D."""\n    return y\n')]
     a, b = tasks.make_tasks(docs, 2, 200, seed=0), tasks.make_tasks(docs[::-1], 2, 200, seed=0)
     assert [t.source for t in a] == [t.source for t in b]  # independent of document order
-    with pytest.raises(
-        ValueError, match=r'config.tasks.count=9: only 3 functions .* max_chars=200'
-    ):
+    with pytest.raises(ValueError, match=r'config.tasks.count=9: only 3 functions .*max_chars=200'):
         tasks.make_tasks(docs, 9, 200)
 
 
@@ -118,8 +116,9 @@ def test_summary_counts_cost_per_valid_answer_and_speedup():
 @pytest.mark.parametrize('field, value', [('count', 0), ('max_new_tokens', -1), ('repeats', 1.5),
                                           ('max_chars', 10), ('count', True)])  # fmt: skip
 def test_bad_task_config_names_the_field_and_value(field, value):
-    cfg = ml_collections.ConfigDict(dict(count=2, max_chars=240, max_new_tokens=40, repeats=1))
-    cfg[field] = value
+    values = dict(count=2, max_chars=240, max_new_tokens=40, repeats=1)
+    values[field] = value  # a ConfigDict built from it, as --config.tasks.<field>=<value> gives
+    cfg = ml_collections.ConfigDict(values)
     with pytest.raises(ValueError, match=rf'config.tasks.{field} must be an int >= \d+, got '
                                          rf'{value!r}'):  # fmt: skip
         task_stage.check_config(cfg)
