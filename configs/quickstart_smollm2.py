@@ -176,7 +176,8 @@ _ROUTE = {
     'tiny': dict(prompts=2, leniences=(0.5, 1.0)),
 }
 # the tasks stage per size (specjax.evaluation.task_stage): JSON extraction tasks (count 0: no
-# tasks stage; the quick main job leaves it out - its compiles alone take minutes), the longest
+# tasks stage; the quick main job leaves it out: its 8 programs compile in no other stage, cost
+# not measured yet), the longest
 # function shown (characters; with Python 3.11's stdlib, 11 validation-split functions fit 300
 # and 7 fit 240), answer tokens, timed repeats
 _TASKS = {
