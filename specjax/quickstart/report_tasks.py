@@ -132,7 +132,7 @@ def tasks_sentence(d: dict) -> list[str]:
     spec = {k: s for k, s in m.items() if k.startswith('spec_')}
     words = [
         f'Under a JSON schema ({len(t["tasks"])} tasks, report section "Tasks"): the '
-        f'constrained target answered {fmt(m["target"]["valid_rate"])} valid '
+        f"constrained target's valid rate {fmt(m['target']['valid_rate'])} "
         f'({fmt(m["target"]["seconds_per_answer"])} s an answer); unconstrained '
         f'{fmt(m["target_free"]["valid_rate"])}.'
     ]
@@ -141,7 +141,7 @@ def tasks_sentence(d: dict) -> list[str]:
         s = spec[best]
         words.append(
             f'Fastest exact method: {_name(best, t)}, {fmt(s["speedup"])}x the constrained '
-            f'target, answers equal to it {fmt(s["equal_to_target"])}.'
+            f'target, share of answers equal to its {fmt(s["equal_to_target"])}.'
         )
     st = m['student']
     cost = st['cost_per_valid_s']
