@@ -16,6 +16,7 @@ import resource
 import time
 
 import jax
+import numpy as np
 import psutil
 
 from specjax.parallel.distributed import agreed_max, barrier
@@ -153,3 +154,23 @@ def floored_times(
     wrapped = {name: repeated(fn, passes[name]) for name, fn in calls.items()}
     times = interleaved_times(wrapped, repeats=repeats, warmup=0)
     return {name: [t / passes[name] for t in ts] for name, ts in times.items()}, passes
+
+
+def per_prompt_times(call, names: list, n: int, repeats: int):
+    """Times call(name, i) -> sampler output for every name on each of n prompts at batch 1:
+    one untimed warm-up call per name, then `repeats` passes, the names interleaved per prompt
+    (the order rotated by prompt). Returns ({name: np.ndarray [repeats, n] seconds},
+    {name: [n] host outputs of the first pass})."""
+    for name in names:
+        jax.block_until_ready(call(name, 0))
+    seconds = {name: np.zeros((repeats, n)) for name in names}
+    outs = {name: [None] * n for name in names}
+    for r in range(repeats):
+        for i in range(n):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(call(name, i))
+                seconds[name][r, i] = time.perf_counter() - t0
+                if r == 0:
+                    outs[name][i] = jax.device_get(out)
+    return seconds, outs

@@ -192,17 +192,7 @@ def _timed_answers(calls, prompts, target_vocab, repeats: int, rng):
         sampler, params, _ = calls[name]
         return sampler(*params, inputs[name][i : i + 1], prompts.lengths[i : i + 1], keys[i])
 
-    for name in names:  # warm-up, untimed
-        jax.block_until_ready(call(name, 0))
-    seconds = {name: np.zeros((repeats, n)) for name in names}
-    outs = {name: [None] * n for name in names}
-    for r in range(repeats):
-        for i in range(n):
-            for name in names[i % len(names) :] + names[: i % len(names)]:
-                t0 = time.perf_counter()
-                out = jax.block_until_ready(call(name, i))
-                seconds[name][r, i] = time.perf_counter() - t0
-                outs[name][i] = jax.device_get(out) if r == 0 else outs[name][i]
+    seconds, outs = measure.per_prompt_times(call, names, n, repeats)
     answers = {}
     for name in names:
         ids = calls[name][2]

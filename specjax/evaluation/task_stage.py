@@ -148,18 +148,7 @@ def timed_answers(calls, tokens, lengths, target_vocab: int, repeats: int, rng, 
     def call(m, i):
         return run[m](*calls[m][1], inputs[m][i : i + 1], lengths[i : i + 1], rng)
 
-    for m in names:
-        jax.block_until_ready(call(m, 0))
-    seconds = {m: np.zeros((repeats, n)) for m in names}
-    outs = {m: [None] * n for m in names}
-    for r in range(repeats):
-        for i in range(n):
-            for m in names[i % len(names) :] + names[: i % len(names)]:
-                t0 = time.perf_counter()
-                out = jax.block_until_ready(call(m, i))
-                seconds[m][r, i] = time.perf_counter() - t0
-                if r == 0:
-                    outs[m][i] = jax.device_get(out)
+    seconds, outs = measure.per_prompt_times(call, names, n, repeats)
     answers = {}
     for m in names:
         o = outs[m]
