@@ -13,6 +13,8 @@ reduces counts first and divides last, so buckets and batches combine exactly:
                            sum_v min(p_v, q_v) for probabilistic, p(argmax q) for argmax_draft,
                            ...); every prediction below takes the alpha of the rule it predicts
   expected_block_efficiency  Leviathan: (1 - alpha^(k+1)) / (1 - alpha)
+  expected_block_efficiency_by_position  the same with an alpha per draft position:
+                           1 + sum_{i<=k} prod_{j<=i} alpha_j
   predicted_speedup        tau / (k c + v(k))
 
 Zero denominators give NaN (JSON writers turn it into null).
@@ -103,6 +105,19 @@ def expected_block_efficiency(alpha, k):
     safe = np.where(near_one, 0.5, alpha)
     out = np.where(near_one, k + 1.0, (1.0 - safe ** (k + 1.0)) / (1.0 - safe))
     return float(out) if out.ndim == 0 else out
+
+
+def expected_block_efficiency_by_position(alphas, k: int) -> float:
+    """E[tau] of a k-token chain whose draft position i is accepted with probability alphas[i-1]
+    given that the positions before it were: 1 + sum_{i<=k} prod_{j<=i} alpha_j (a round emits
+    its accepted prefix, whose expected length is the block's of
+    specjax.distill.divergences.expected_accepted_length, and one more token). Positions past
+    len(alphas) take the last alpha; with every alpha equal it is expected_block_efficiency."""
+    a = np.asarray(alphas, np.float64).reshape(-1)
+    if a.size == 0 or np.any((a < 0) | (a > 1)) or int(k) < 0:
+        raise ValueError(f'need 1 or more alphas in [0, 1] and k >= 0, got {a.tolist()}, k={k}')
+    a = np.concatenate([a, np.full(max(int(k) - a.size, 0), a[-1])])[: int(k)]
+    return float(1.0 + np.cumprod(a).sum())
 
 
 def round_cost(k: int, c: float, v: Mapping[int, float] | float) -> float:
