@@ -23,7 +23,7 @@ def result():
     target, draft = greedy_models()
     tokens, lengths = ragged_prompts(GREEDY_PROMPTS[:2], 2)
     grid = tree_points.Grid(
-        chains=(1, 2), stops=(0.5,), stop_k=2, trees={'w2': ((0,), (1,), (0, 0))},
+        chains=(2,), stops=(0.5,), stop_k=2, trees={'w2': ((0,), (1,), (0, 0))},
         dynamic=((2, 2, 3),),
     )  # fmt: skip
     return tree_points.measure(
@@ -37,7 +37,6 @@ def test_every_point_has_every_field(result):
     for b in (1, 2):
         for name in [
             'ar',
-            'chain k=1',
             'chain k=2',
             'chain k=2 stop<0.5',
             'tree w2',

@@ -71,7 +71,10 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_planner_figures_equal_real_sharded_arrays():
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count=8',
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
         [sys.executable, '-c', _SCRIPT],

@@ -91,7 +91,10 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_four_device_mesh_matches_single_device():
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4')
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count=4',
+    )
     out = subprocess.run(
         [sys.executable, '-c', _SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
