@@ -60,6 +60,20 @@ def _spec_row(d: dict, stage: str, option: str, train_stage: str, label: str = '
     ]
 
 
+def _bigram_clause(d: dict, bigram) -> str:
+    """The bigram's loss, named on its own positions where those differ from the student's.
+
+    A reduced-vocabulary student's loss covers the positions whose next token is in its
+    vocabulary (`loss`); the count baselines cover every position (`loss_all`, the target's)."""
+    loss_all = d['target']['eval'].get('loss_all')
+    if loss_all is None:
+        return f" and the bigram's {fmt(bigram)}"
+    return (
+        f" on the same positions (the student's vocabulary); on every position the target's "
+        f"{fmt(loss_all)} and the bigram's {fmt(bigram)}"
+    )
+
+
 def _student_row(d: dict) -> list:
     """The verdict row of the distilled draft served alone (serve stage, batch 1)."""
     student = d['draft_distilled']
@@ -76,7 +90,7 @@ def _student_row(d: dict) -> list:
         'distill (the distilled draft served alone)',
         f"{fmt(speed)}x the target's speed per token (batch 1, serve)",
         f"held-out loss {fmt(student.get('draft_val_loss'))} nats vs the target's "
-        f"{fmt(d['target']['eval']['loss'])} and the bigram's {fmt(bigram)}; free-running "
+        f'{fmt(d["target"]["eval"]["loss"])}{_bigram_clause(d, bigram)}; free-running '
         f"greedy tokens equal to the target's: {fmt(alone['same_tokens_as_target'])}; "
         f'mean TV {fmt(1 - (student.get("alpha_T1") or float("nan")))}',
         _cpu_s(d, 'draft_distilled'),
