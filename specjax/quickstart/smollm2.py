@@ -42,8 +42,7 @@ import numpy as np
 
 from specjax import jsonio
 
-# check_available's words: (the config, what it runs, the toy that needs no model package)
-_QUICKSTART = (
+_QUICKSTART = (  # check_available's words: the config, what it runs, the toy (no model package)
     'configs/quickstart.py:preset=smollm2',
     'the quickstart with SmolLM2 as the target (the default preset)',
     '--config=configs/quickstart.py:preset=embedded',
