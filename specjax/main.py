@@ -46,7 +46,7 @@ MODES = {
     'distill': 'specjax.distill.distill_mode:run_distill',
     'cotrain': 'specjax.distill.cotrain:run_cotrain',
     'feature_draft': 'specjax.distill.feature_mode:run_feature_draft',
-    'online_distill': 'specjax.distill.online_mode:run',
+    'online_distill': 'specjax.quickstart.online:run',  # imports config.target.source first
     'spec_eval': 'specjax.evaluation.spec_eval:run',
     'sweep': 'specjax.sweeps.runner:run',
     'quickstart': 'specjax.quickstart.pipeline:run',

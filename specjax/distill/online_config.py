@@ -25,6 +25,9 @@ SHARED_DATA_FIELDS = (
     'name', 'data_dir', 'text_feature', 'domain_feature', 'train_split', 'eval_split',
     'tokenizer', 'tokenizer_path', 'vocab_size',
 )  # fmt: skip
+# config.target of an imported target (e.g. configs/online_distill.py:size=smollm2): the model to
+# import (specjax.interop source), its parameter layout and its vocabulary (the buffer's size)
+IMPORTED_TARGET_FIELDS = ('source', 'scan_layers', 'vocab_size')
 
 
 def default_stream_config() -> ml_collections.ConfigDict:
@@ -188,6 +191,20 @@ def _check_draft_stage(config, stage: str) -> TransformerConfig:
     return TransformerConfig.from_dict(c.draft)
 
 
+def imported_target(config) -> bool:
+    """Whether config.target names a model to import (config.target.source; imported into
+    <workdir>/target by the mode's entry point, specjax.quickstart.online) rather than a
+    pretrain config."""
+    return 'source' in config.target
+
+
+def _check_imported_target(t) -> None:
+    check_keys(t, IMPORTED_TARGET_FIELDS, 'config.target')
+    if not isinstance(t.source, str) or not t.source:
+        raise ValueError(f'config.target.source must name a model to import, got {t.source!r}')
+    _int(t.get('vocab_size'), 'config.target.vocab_size', 2)
+
+
 def check_sections(config) -> None:
     """The config's sections are those of an online_distill config, and its mode this one."""
     check_keys(config, SECTIONS, 'config')
@@ -202,7 +219,10 @@ def validate(config, target_vocab: int) -> Settings:
     """Every check of an online_distill config; target_vocab: the target's vocabulary (its
     config, or the metadata of config.target_workdir), for the buffer's size."""
     check_sections(config)
-    if not config.target_workdir:
+    imported = imported_target(config)
+    if not config.target_workdir and imported:
+        _check_imported_target(config.target)
+    elif not config.target_workdir:
         from specjax.train.pretrain import validate_config
 
         validate_config(config.target)
@@ -214,7 +234,7 @@ def validate(config, target_vocab: int) -> Settings:
     for stage in ('draft', 'retrained'):
         if not config[f'{stage}_workdir']:
             drafts[stage] = _check_draft_stage(config, stage)
-    if not config.target_workdir:
+    if not config.target_workdir and not imported:
         _check_stage_data(config, 'target')
     for stage, cfg in drafts.items():
         if cfg.vocab_size != target_vocab:

@@ -36,7 +36,7 @@ from specjax.data import build_tokenizer
 from specjax.distill import online_report as report
 from specjax.distill.online_buffer import OnlineBuffer, select
 from specjax.distill.online_config import MODE, check_sections, optimizer_config, validate
-from specjax.distill.online_prereqs import prepare, target_vocab
+from specjax.distill.online_prereqs import check_target_given, prepare, target_vocab
 from specjax.distill.online_stream import make_stream
 from specjax.distill.online_update import (
     STEP_KEYS,
@@ -58,8 +58,10 @@ _STATS = ('row_emitted', 'row_rounds', 'row_accepted', 'row_examined')
 
 
 def run(config, workdir: str) -> dict:
-    """The mode's entry point (specjax.main): checks, prerequisites, the stream, the report."""
+    """The mode (specjax.main calls it through specjax.quickstart.online.run, which imports a
+    config.target.source first): checks, prerequisites, the stream, the report."""
     check_sections(config)
+    check_target_given(config)
     settings = validate(config, target_vocab(config))
     if jax.process_count() > 1:
         raise ValueError(f'{MODE} runs in one process; got {jax.process_count()}')

