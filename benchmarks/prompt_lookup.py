@@ -4,9 +4,9 @@ Both systems load the bundled GGUF (the same dequantised float32 weights) and de
 the same prompts: stdlib code to continue (`code`) and chat prompts (SmolLM2's template) that ask
 to rewrite a stdlib function (`chat`). transformers: plain `generate` and prompt lookup
 (`prompt_lookup_num_tokens`, `max_matching_ngram_size`); specjax: `autoregressive_sample` and
-`speculative_sample` with an `NGramDraft` for each k:min_n of --variants (chains), and a tree of
---branches chains at the first variant. eos is ignored on both sides, so every run makes
---max_new_tokens tokens.
+`speculative_sample` with an `NGramDraft` for each k:min_n[:proposals by match length] of
+--variants (chains), and a tree of --branches chains at the first variant. eos is ignored on both
+sides, so every run makes --max_new_tokens tokens.
 Each system's speedup is its lookup's tokens/s over its own plain decoding, measured in the same
 process, per domain. Prints one table; writes JSON (--out). Run on a quiet machine: ratios taken
 while other work runs are not comparable.
@@ -35,7 +35,11 @@ def parser():
     p = cli.parser(__doc__, out='/tmp/specjax/prompt_lookup.json', compilation_cache=True)
     p.add_argument('--systems', default='specjax,transformers', help='comma-separated')
     p.add_argument(
-        '--variants', default='4:1,8:1,8:2', help="specjax's chains as k:min_n, comma-separated"
+        '--variants',
+        default='4:1,8:1,8:2,8:1:0/4/8',
+        help="specjax's chains as k:min_n[:proposals after a 1/2/.../max_n-gram match], "
+        'comma-separated (NGramDraft.proposals_by_n; 8:1:0/4/8 proposes none after a 1-gram '
+        'match, 4 after a 2-gram one, 8 after a 3-gram one)',
     )
     p.add_argument('--branches', default=2, type=int, help='chains of the tree (0: no tree)')
     p.add_argument('--max_n', default=3, type=int, help='longest n-gram matched (both systems)')
@@ -124,6 +128,15 @@ def run_transformers(path, ids_list, new, args, settings) -> dict:
     return results
 
 
+def _variant(text: str) -> tuple[int, int, tuple[int, ...]]:
+    """'k:min_n[:a/b/c]' -> (k, min_n, proposals_by_n)."""
+    parts = text.split(':')
+    if len(parts) not in (2, 3):
+        raise ValueError(f'--variants: each entry is k:min_n[:a/b/c], got {text!r}')
+    by_n = tuple(int(x) for x in parts[2].split('/')) if len(parts) == 3 else ()
+    return int(parts[0]), int(parts[1]), by_n
+
+
 def run_specjax(target, ids_list, new, args, settings) -> dict:
     from specjax.evaluation.measure import compile_samplers
     from specjax.models import split
@@ -137,13 +150,17 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
     )
 
     tgd, tparams = split(target)
-    variants = [tuple(int(x) for x in v.split(':')) for v in args.variants.split(',') if v]
+    variants = [_variant(v) for v in args.variants.split(',') if v]
     width = max(map(len, ids_list))
     sampling = {'greedy': SamplingConfig(0.0), 't1': SamplingConfig(1.0)}
     methods = [('plain', None)]
-    methods += [(f'ngram k={k} min_n={n}', (k, n)) for k, n in variants]
+    methods += [
+        (f'ngram k={k} min_n={n}' + (f" by_n={'/'.join(map(str, by_n))}" if by_n else ''),
+         (k, n, by_n))
+        for k, n, by_n in variants
+    ]  # fmt: skip
     if args.branches:
-        k, n = variants[0]
+        k, n, _ = variants[0]
         methods.append((f'ngram tree {args.branches}x{k} min_n={n}', ('tree', k, n)))
     batches = []
     for ids in ids_list:
@@ -162,7 +179,7 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
                 fn = make_tree_speculative_fn(tgd, draft, tree=tree, max_new_tokens=new, sampling=s)
                 params = [tparams, ()]
             else:
-                draft = NGramDraft(args.max_n, k[1])
+                draft = NGramDraft(args.max_n, k[1], k[2])
                 fn = make_speculative_fn(tgd, draft, num_draft_tokens=k[0], max_new_tokens=new,
                                          sampling=s)  # fmt: skip
                 params = [tparams, ()]

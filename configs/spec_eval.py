@@ -71,6 +71,8 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.ngram = ml_collections.ConfigDict()
     c.ngram.max_n = 3  # the longest n-gram matched against the context (longest first)
     c.ngram.min_n = 1  # the shortest
+    # proposals per round after a match of n = 1..max_n tokens, capped at k (() = k after any)
+    c.ngram.proposals_by_n = ()
 
     c.data = default_data_config()  # validation split supplies the prompts; tokenizer must match
     c.model = _model(256, 4, 4, 704, c.data.get_ref('vocab_size'), 256)  # random-init target

@@ -57,16 +57,17 @@ def test_lookup_continues_a_loop_past_the_context():
     assert lookup_reference([1, 2, 3], k=3, max_n=2, min_n=1) == (None, 0)
 
 
-@pytest.mark.parametrize('k', [1, 4])
-def test_greedy_chain_equals_greedy_target(k):
+@pytest.mark.parametrize('k,by_n', [(1, ()), (4, ()), (4, (0, 2, 4))])
+def test_greedy_chain_equals_greedy_target(k, by_n):
     cfg = tiny_config(7, max_len=64)
     target = make_model(cfg, seed=3, scale=6.0)
     prompts, lengths = ragged_prompts(([1, 2, 3, 1, 2], [6, 5], [4, 4, 4, 0, 1, 4, 4]), 6)
     g = SamplingConfig(0.0)
     want = autoregressive_sample(target, prompts, lengths, max_new_tokens=24, sampling=g, rng=0,
                                  eos_id=5)  # fmt: skip
-    got = speculative_sample(target, NGramDraft(3, 1), prompts, lengths, num_draft_tokens=k,
-                             max_new_tokens=24, sampling=g, rng=0, eos_id=5)  # fmt: skip
+    got = speculative_sample(target, NGramDraft(3, 1, by_n), prompts, lengths,
+                             num_draft_tokens=k, max_new_tokens=24, sampling=g, rng=0,
+                             eos_id=5)  # fmt: skip
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
     assert int(got.stats['accepted']) > 0  # the lookup proposed something that held
@@ -117,6 +118,26 @@ def test_chain_matches_target_distribution(setting):
     assert 0.1 < accepted / examined < 0.9  # both branches exercised
 
 
+def test_proposals_follow_the_match_length():
+    by_n = NGramDraft(3, 1, (0, 2, 5))
+    found = jnp.array([True, True, True, True, False])
+    n = jnp.array([1, 2, 3, 3, 0])
+    np.testing.assert_array_equal(by_n.proposals(found, n, 4), [0, 2, 4, 4, 0])  # capped at k
+    np.testing.assert_array_equal(NGramDraft(3, 1).proposals(found, n, 4), [4, 4, 4, 4, 0])
+
+
+def test_chain_with_proposals_by_match_length_matches_target_distribution():
+    """1 proposal after a 1-gram match, 3 after a 2-gram one: the count is a function of the
+    context, so the law is the target's; both counts occur."""
+    sampling, k = CHAIN_SETTINGS['t1']
+    fn = make_speculative_fn(split(TARGET)[0], NGramDraft(2, 1, (1, 3)), num_draft_tokens=k,
+                             max_new_tokens=k + 2, sampling=sampling)  # fmt: skip
+    out, rejected, tv = _run(fn, sampling, k + 2)
+    assert not rejected, (rejected, tv)
+    drafted = np.asarray(out.stats['row_drafted'])
+    assert (drafted % k != 0).any() and (drafted >= k).any(), np.unique(drafted)
+
+
 def test_soft_q_negative_control_is_rejected():
     sampling, k = CHAIN_SETTINGS['t1']
     fn = make_speculative_fn(
@@ -144,6 +165,9 @@ def test_refusals_name_the_field():
         NGramDraft(max_n=2, min_n=3)
     with pytest.raises(ValueError, match='NGramDraft.max_n'):
         NGramDraft(max_n=0)
+    for bad in ((4, 8), (0, -1, 4), (0, 2.5, 4), '048'):
+        with pytest.raises(ValueError, match=r'NGramDraft.proposals_by_n must be'):
+            NGramDraft(3, 1, bad)
     tgd = split(TARGET)[0]
     g = SamplingConfig(1.0)
     with pytest.raises(ValueError, match=r'chains under the root.*\(0, 1\)'):
@@ -151,6 +175,9 @@ def test_refusals_name_the_field():
     with pytest.raises(ValueError, match='static trees only'):
         make_tree_speculative_fn(tgd, DRAFT, tree=DynamicTree(2, 2, 4), max_new_tokens=4,
                                  sampling=g)  # fmt: skip
+    with pytest.raises(ValueError, match=r'proposals_by_n applies to chains.*\(1, 2\)'):
+        make_tree_speculative_fn(tgd, NGramDraft(2, 1, (1, 2)), tree=ngram_tree_paths(2, 2),
+                                 max_new_tokens=4, sampling=g)  # fmt: skip
     with pytest.raises(ValueError, match='chosen by the draft'):
         make_tree_speculative_fn(tgd, DRAFT, tree=ngram_tree_paths(2, 2), max_new_tokens=4,
                                  sampling=g, acceptance='probabilistic')  # fmt: skip

@@ -133,12 +133,14 @@ def test_spec_eval_with_the_ngram_draft(toy_dir, tmp_path):
     greedy outputs equal the target's, alpha counts only positions where the lookup proposes."""
     c = _tiny_config(toy_dir)
     c.draft_kind = 'ngram'
-    c.ngram.max_n, c.ngram.min_n = 2, 1
+    c.ngram.max_n, c.ngram.min_n, c.ngram.proposals_by_n = 2, 1, (1, 2)
     result = spec_eval.run(c, str(tmp_path))
     assert result['calibration']['c'] == 0.0 and result['models']['draft']['kind'] == 'ngram'
+    assert result['models']['draft']['proposals_by_n'] == [1, 2]
     greedy = {r['method']: r for r in result['runs'] if r['sampling_label'] == 'T=0'}
     assert greedy['speculative']['drafted'] >= greedy['speculative']['examined'] > 0
     assert 0.0 <= greedy['autoregressive']['alpha'] <= 1.0
+    c.ngram.proposals_by_n = ()
     c.ngram.min_n = 3
     with pytest.raises(ValueError, match='config.ngram: NGramDraft.min_n=3 must not exceed'):
         spec_eval.run(c, str(tmp_path / 'bad'))

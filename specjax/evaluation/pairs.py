@@ -76,7 +76,8 @@ def ngram_draft(config) -> NGramDraft | None:
     if kind == 'model':
         return None
     try:
-        return NGramDraft(int(config.ngram.max_n), int(config.ngram.min_n))
+        by_n = tuple(config.ngram.get('proposals_by_n', ()))
+        return NGramDraft(int(config.ngram.max_n), int(config.ngram.min_n), by_n)
     except ValueError as e:
         raise ValueError(f'config.ngram: {e}') from None
 
@@ -183,7 +184,13 @@ def _load_with_ngram(config, tok, mesh, ngram: NGramDraft):
         )
     info.update(
         target=dict(target.config.to_dict(), num_params=target.config.num_params),
-        draft=dict(kind='ngram', max_n=ngram.max_n, min_n=ngram.min_n, num_params=0),
+        draft=dict(
+            kind='ngram',
+            max_n=ngram.max_n,
+            min_n=ngram.min_n,
+            proposals_by_n=list(ngram.proposals_by_n),
+            num_params=0,
+        ),
     )
     return target, ngram, info
 

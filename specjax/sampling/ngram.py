@@ -39,11 +39,18 @@ from specjax.sampling.tree_walk import DraftedTree
 class NGramDraft:
     """Prompt-lookup drafting: match the last n tokens, max_n >= n >= min_n >= 1 (longest first).
 
+    `proposals_by_n` (chains only) sets how many tokens a round proposes after a match of n
+    tokens: entry n - 1 for n = 1..max_n, each capped at the sampler's k (0: no proposal, a plain
+    target step); empty (the default) proposes k after any match. A longer match predicts a longer
+    accepted run, so proposing more after it and fewer after a short one spends the verification
+    width where it pays. The count is a function of the context, so the law stays exact.
+
     Hashable and static: it is the draft's "graphdef" in a compiled sampler (no parameters).
     """
 
     max_n: int = 3
     min_n: int = 1
+    proposals_by_n: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ('max_n', 'min_n'):
@@ -53,6 +60,27 @@ class NGramDraft:
             object.__setattr__(self, name, int(v))
         if self.min_n > self.max_n:
             raise ValueError(f'NGramDraft.min_n={self.min_n} must not exceed max_n={self.max_n}')
+        by_n = self.proposals_by_n
+        if isinstance(by_n, (str, bytes)) or not hasattr(by_n, '__len__'):
+            raise ValueError(f'NGramDraft.proposals_by_n must be a tuple of ints, got {by_n!r}')
+        if by_n and (
+            len(by_n) != self.max_n
+            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0
+                   for v in by_n)
+        ):  # fmt: skip
+            raise ValueError(
+                f'NGramDraft.proposals_by_n must be empty or {self.max_n} (max_n) ints >= 0, one '
+                f'per match length n = 1..{self.max_n}, got {by_n!r}'
+            )
+        object.__setattr__(self, 'proposals_by_n', tuple(int(v) for v in by_n))
+
+    def proposals(self, found_B, n_B, k: int):
+        """Tokens proposed this round -> int32 [B]: 0 without a match, else k or the capped
+        proposals_by_n[n - 1]."""
+        if not self.proposals_by_n:
+            return jnp.where(found_B, k, 0).astype(jnp.int32)
+        table = jnp.asarray([0] + [min(v, k) for v in self.proposals_by_n], jnp.int32)
+        return jnp.where(found_B, table[jnp.clip(n_B, 0, self.max_n)], 0).astype(jnp.int32)
 
 
 def is_ngram(draft) -> bool:
@@ -161,7 +189,7 @@ class NGramDrafter:
 
     spec: NGramDraft
     feature_layers: tuple[int, ...] = ()
-    variable_length: bool = True  # rows propose k tokens or none (verification width follows)
+    variable_length: bool = True  # rows propose m <= k tokens (verification width follows)
 
     def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None):
         """The target's cached call -> (logits, cache, None): no features are read."""
@@ -181,27 +209,27 @@ class NGramDrafter:
         return None
 
     def lookup(self, state, k: int, exclude_BR=None):
-        """This round's (proposals [B, k], found [B]) from the state's context."""
+        """This round's (proposals [B, k], found [B], matched n [B]) from the state's context."""
         ctx, length = context(state.dcache.prompts, state.dcache.lengths, state.out, state.emitted)
-        x, found, _ = lookup(
+        return lookup(
             ctx, length, k=k, max_n=self.spec.max_n, min_n=self.spec.min_n, exclude_BR=exclude_BR
         )
-        return x, found
 
     def propose(self, dgd, dparams, state, uniform_BK, active, *, k, sampling, acc, vocab, bug,
                 check_finite=True, stop_below=None, con=None):  # fmt: skip
-        """-> (x [B, k], q [B, k, V] one-hot (a [B, k, 1] placeholder when greedy), m [B]: k
-        where a match was found else 0, fed 0, carry None, no non-finite logits). `bug`
+        """-> (x [B, k], q [B, k, V] one-hot (a [B, k, 1] placeholder when greedy), m [B]:
+        `NGramDraft.proposals` (k, or the match length's count, where a match was found; else 0),
+        fed 0, carry None, no non-finite logits). `bug`
         'ngram_soft_q' (a negative control) verifies against 0.5 q + 0.5 uniform instead. Under
         a grammar the proposals are not masked: one the grammar forbids has p~(x) = 0 under the
         constrained target law and is rejected, which keeps the law exact."""
         del dgd, dparams, uniform_BK, acc, check_finite, stop_below, con  # (a grammar: below)
-        x, found = self.lookup(state, k)
+        x, found, n = self.lookup(state, k)
         q = (jnp.zeros(x.shape + (1,), jnp.float32) if is_greedy(sampling) is True
              else jax.nn.one_hot(x, vocab.target_vocab, dtype=jnp.float32))  # fmt: skip
         if bug == 'ngram_soft_q':  # wrong: verified as a smoothed q it was not drawn from
             q = 0.5 * q + 0.5 / q.shape[-1]
-        m = jnp.where(found & active, k, 0).astype(jnp.int32)
+        m = self.spec.proposals(found & active, n, k)
         return x, q, m, jnp.int32(0), None, jnp.bool_(False)
 
     def after_round(self, state, carry, fused_BWE, *, fed, x_BK, num_acc_B, next_B, active_B):
@@ -218,7 +246,7 @@ class NGramDrafter:
         exclude = jnp.full((batch, branches), -1, jnp.int32)
         chains = []
         for r in range(branches):
-            x, found = self.lookup(state, depth, exclude_BR=exclude)
+            x, found, _ = self.lookup(state, depth, exclude_BR=exclude)
             chains.append(x)
             exclude = exclude.at[:, r].set(jnp.where(found, x[:, 0], -1))
         # Node i + 1 (depth d, branch r) holds chains[r][:, d - 1].

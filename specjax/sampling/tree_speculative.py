@@ -103,6 +103,9 @@ def make_tree_speculative_fn(
             raise ValueError('tree_speculative_sample: an n-gram draft fills static trees only '
                              '(ngram_tree_paths(branches, depth)), got a DynamicTree')  # fmt: skip
         ng.check_tree(tree, 'tree_speculative_sample')
+        if by_n := draft_graphdef.proposals_by_n:
+            raise ValueError('tree_speculative_sample: NGramDraft.proposals_by_n applies to '
+                             f'chains (speculative_sample), got {by_n}')  # fmt: skip
     rule = _check_rule(acceptance, dynamic or ngram)
     bugs = (None, 'ratio_test') if dynamic else _BUGS[:-1]
     if _bug not in bugs:
