@@ -8,11 +8,12 @@ to rewrite a stdlib function (`chat`). transformers: plain `generate` and prompt
 --variants (chains), and a tree of --branches chains at the first variant. eos is ignored on both
 sides, so every run makes --max_new_tokens tokens.
 Each system's speedup is its lookup's tokens/s over its own plain decoding, measured in the same
-process, per domain. Prints one table; writes JSON (--out). Run on a quiet machine: ratios taken
-while other work runs are not comparable.
+process, per domain, from each prompt's median over --repeats runs taken in turn with the other
+methods (a drift in the host's speed moves every method alike). Prints one table; writes JSON
+(--out). Run on a quiet machine: ratios taken while other work runs are not comparable.
 
-  python -m benchmarks.prompt_lookup                       # both systems, ~6 minutes
-  python -m benchmarks.prompt_lookup --systems=specjax     # specjax alone, ~2 minutes
+  python -m benchmarks.prompt_lookup                       # both systems, ~20 minutes
+  python -m benchmarks.prompt_lookup --sampling=greedy --branches=0 --repeats=2  # ~8 minutes
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def parser():
     p.add_argument('--max_new_tokens', default=96, type=int, help='tokens per prompt')
     p.add_argument('--sampling', default='greedy,t1', help='greedy and/or t1')
     p.add_argument('--prompts', default=4, type=int, help='prompts per domain')
+    p.add_argument(
+        '--repeats', default=3, type=int, help='timed runs per prompt and method, interleaved'
+    )
     return p
 
 
@@ -111,20 +115,19 @@ def run_transformers(path, ids_list, new, args, settings) -> dict:
     lookup = dict(prompt_lookup_num_tokens=args.hf_tokens, max_matching_ngram_size=args.max_n)
     results = {}
     for label in settings:
-        for method, extra in (('plain', {}), ('lookup', lookup)):
-            torch.manual_seed(0)
+        for repeat in range(args.repeats):  # interleaved: both methods per prompt per repeat
             for i, ids in enumerate(ids_list):
-                calls['n'] = 0
-                start = time.perf_counter()
-                with torch.no_grad():
-                    out = model.generate(torch.tensor([ids]), max_new_tokens=new,
-                                         min_new_tokens=new, **kw[label], **extra)  # fmt: skip
-                seconds = time.perf_counter() - start
-                toks = out[0, len(ids) :].numpy()
-                results[('transformers', method, label, i)] = dict(
-                    seconds=seconds, tokens=toks, target_calls=calls['n']
-                )
-            print(f'transformers {method} {label} done', flush=True)
+                for method, extra in (('plain', {}), ('lookup', lookup)):
+                    torch.manual_seed(i)
+                    calls['n'] = 0
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        out = model.generate(torch.tensor([ids]), max_new_tokens=new,
+                                             min_new_tokens=new, **kw[label], **extra)  # fmt: skip
+                    _record(results, ('transformers', method, label, i),
+                            time.perf_counter() - start, out[0, len(ids) :].numpy(),
+                            calls['n'])  # fmt: skip
+            print(f'transformers {label} repeat {repeat} done', flush=True)
     return results
 
 
@@ -189,19 +192,26 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
     compiled = compile_samplers(jobs)
     print(f'specjax: compiled {len(jobs)} programs in {time.perf_counter() - started:.0f} s')
     results = {}
-    for c, (method, label, params) in zip(compiled, keys, strict=True):
+    for c, (_, _, params) in zip(compiled, keys, strict=True):
         jax.block_until_ready(c(*params, *batches[0], jax.random.key(1)))  # warm-up
+    for repeat in range(args.repeats):  # interleaved: every method per prompt per repeat
         for i, (toks, lens) in enumerate(batches):
-            start = time.perf_counter()
-            out = jax.block_until_ready(c(*params, toks, lens, jax.random.key(i)))
-            seconds = time.perf_counter() - start
-            calls = int(out.stats['target_calls']) - 1 if method != 'plain' else new
-            results[('specjax', method, label, i)] = dict(
-                seconds=seconds, tokens=np.asarray(out.tokens[0]), target_calls=calls,
-                compile_s=c.compile_s,
-            )  # fmt: skip
-        print(f'specjax {method} {label} done', flush=True)
+            for c, (method, label, params) in zip(compiled, keys, strict=True):
+                start = time.perf_counter()
+                out = jax.block_until_ready(c(*params, toks, lens, jax.random.key(i)))
+                calls = int(out.stats['target_calls']) - 1 if method != 'plain' else new
+                _record(results, ('specjax', method, label, i), time.perf_counter() - start,
+                        np.asarray(out.tokens[0]), calls)  # fmt: skip
+        print(f'specjax repeat {repeat} done', flush=True)
     return results
+
+
+def _record(results, key, seconds, tokens, target_calls) -> None:
+    """Adds one timed run: 'seconds' is the median over the repeats so far ('repeat_s' keeps
+    them); tokens and calls are the first repeat's (the same key gives the same run)."""
+    row = results.setdefault(key, dict(tokens=tokens, target_calls=target_calls, repeat_s=[]))
+    row['repeat_s'].append(seconds)
+    row['seconds'] = float(np.median(row['repeat_s']))
 
 
 def summarise(results, items, new) -> list[dict]:
@@ -265,7 +275,8 @@ def main(argv=None):
         max_new_tokens=args.max_new_tokens, variants=args.variants, max_n=args.max_n,
         hf_prompt_lookup_num_tokens=args.hf_tokens, branches=args.branches,
         prompts=[[d, copy.deepcopy(x)] for d, x in items], prompt_tokens=list(map(len, ids_list)),
-        rows=rows, wall_s=time.perf_counter() - started, cpu_count=os.cpu_count(),
+        repeats=args.repeats, rows=rows, wall_s=time.perf_counter() - started,
+        cpu_count=os.cpu_count(),
         note='one process, batch 1: compare speedups within a system and run',
     )  # fmt: skip
     jsonio.write_json(args.out, result)
