@@ -21,7 +21,7 @@ if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-pytest_plugins = ['data_fixtures']
+pytest_plugins = ['data_fixtures', 'distill_data']
 
 _CACHE = os.environ.get(
     'SPECJAX_JAX_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'specjax', 'jax-cache')

@@ -1,5 +1,6 @@
 """Smoke test of benchmarks.trees' measurement (benchmarks.tree_points) on the tiny greedy pair:
-every point carries every field with consistent counts, and best_shape picks the maxima."""
+every point carries every field with consistent counts, and best_shape picks the maxima. At
+T = 1 only (every shape and both sibling rules; greedy programs are the samplers' own tests)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def result():
         dynamic=((2, 2, 3),),
     )  # fmt: skip
     return tree_points.measure(
-        target, draft, tokens, lengths, grid=grid, batch_sizes=(1, 2), temperatures=(0.0, 1.0),
+        target, draft, tokens, lengths, grid=grid, batch_sizes=(1, 2), temperatures=(1.0,),
         max_new=MAX_NEW, repeats=1, sibling_keys=2,
     )  # fmt: skip
 
@@ -39,11 +40,10 @@ def test_every_point_has_every_field(result):
             'ar',
             'chain k=2',
             'chain k=2 stop<0.5',
-            'tree w2',
+            'tree w2 (w/o repl.)',
+            'tree w2 (iid)',
             'dynamic D=2 m=2 N=3',
         ]:
-            assert (name, b, 0.0) in names
-        for name in ['tree w2 (w/o repl.)', 'tree w2 (iid)']:
             assert (name, b, 1.0) in names
     for p in result['points']:
         assert set(tree_points.POINT_FIELDS) <= set(p), set(tree_points.POINT_FIELDS) - set(p)
@@ -72,7 +72,7 @@ def test_every_point_has_every_field(result):
 
 def test_best_shape_picks_the_maxima(result):
     best = tree_points.best_shape(result['points'])
-    assert best == result['best'] and set(best) == {'b=1 T=0', 'b=1 T=1', 'b=2 T=0', 'b=2 T=1'}
+    assert best == result['best'] and set(best) == {'b=1 T=1', 'b=2 T=1'}
     for v in best.values():
         group = [p for p in result['points']
                  if (p['batch'], p['temperature']) == (v['batch'], v['temperature'])

