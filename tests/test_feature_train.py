@@ -1,9 +1,11 @@
 """The feature_draft mode (specjax.distill.feature_ttt / feature_mode): the training-time-test
 unroll equals a step-by-step rollout with the draft's cached decode (true-feature prefix, then
-self-fed single steps), packed documents included; a few steps against a tiny target (its own
-continuations of data prompts, a reduced vocabulary) lower the loss and leave a workdir that
-load_feature_draft reads back (embedding still the target's); a run stopped by SIGTERM resumes
-bit-identically; a bad config is refused naming the field before anything compiles."""
+self-fed single steps), packed documents included, and (values and gradients) the unroll that
+recomputes every earlier block instead of reusing its keys and values; a few steps against a
+tiny target (its own continuations of data prompts, a reduced vocabulary) lower the loss and
+leave a workdir that load_feature_draft reads back (embedding still the target's); a run stopped
+by SIGTERM resumes bit-identically; a bad config is refused naming the field before anything
+compiles."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from distill_data import Batches
 from flax import nnx
 
 from specjax.checkpoint import write_workdir
@@ -66,27 +69,9 @@ def _rows(rng, b=B):
     }
 
 
-class _Batches:
-    def __init__(self, seed):
-        self.seed, self.index = seed, 0
-
-    def get_state(self):
-        return {'index': self.index}
-
-    def set_state(self, state):
-        self.index = int(state['index'])
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.index += 1
-        return _rows(np.random.default_rng([self.seed, self.index - 1]))
-
-
 def _data():
     evals = [_rows(np.random.default_rng(99))]
-    return DistillData(_Batches(1), evals, dict(TOKENIZER), {'name': 'stub'}, V, ('a',), EOS)
+    return DistillData(Batches(1, _rows), evals, dict(TOKENIZER), {'name': 'stub'}, V, ('a',), EOS)
 
 
 @pytest.fixture(scope='module')
@@ -181,6 +166,49 @@ def test_ttt_unroll_equals_a_cached_rollout_with_self_fed_states(highest_precisi
     mask = ttt.anchored(jnp.ones((2, T), bool), seg, 2)
     assert mask[0].tolist() == [False] * 2 + [True] * (T - 2)
     assert mask[1].tolist() == [False] * 2 + [True] * 5 + [False] * 2 + [True] * (T - 9)
+
+
+def _concatenated_unroll(draft, tokens_BT, fused_BTE, positions_BT, segment_ids_BT, steps):
+    """The unroll without K/V reuse (the reference): step j runs the draft over every block
+    [e^0; ...; e^j] under ttt_mask(j) and keeps its last T outputs."""
+    t = tokens_BT.shape[1]
+    feats, outs = [ttt.previous_in_segment(fused_BTE, segment_ids_BT)], []
+    for j in range(steps):
+        if j:
+            feats.append(ttt.previous_in_segment(outs[-1][1], segment_ids_BT))
+        logits, state = draft(
+            jnp.tile(tokens_BT, (1, j + 1)), jnp.concatenate(feats, 1),
+            jnp.tile(positions_BT, (1, j + 1)), mask=ttt.ttt_mask(segment_ids_BT, j),
+        )  # fmt: skip
+        outs.append((logits[:, -t:], state[:, -t:]))
+    return outs
+
+
+def test_ttt_unroll_with_kv_reuse_equals_the_concatenated_unroll(highest_precision):
+    """Step j on block j alone, the earlier blocks' keys and values from the cache, gives the
+    logits, states and gradients of running the draft over all j + 1 blocks (2 draft layers,
+    packed documents)."""
+    target = _target()
+    cfg = FeatureDraftConfig.for_target(target.config, n_layers=2, draft_vocab_size=None)
+    draft = from_target(target, cfg, rngs=nnx.Rngs(1))
+    rows = _rows(np.random.default_rng(6), b=2)
+    tokens, seg, pos = (jnp.asarray(rows[k]) for k in ('tokens', 'segment_ids', 'positions'))
+    fused = draft.fuse_features(target(tokens, pos, seg, feature_layers=cfg.feature_layers)[1])
+    graphdef, params = nnx.split(draft)
+    weights = jax.random.normal(jax.random.key(0), (3, 2, T, cfg.vocab_size))
+
+    def loss(p, unroll):
+        outs = unroll(nnx.merge(graphdef, p), tokens, fused, pos, seg, 3)
+        return sum(jnp.sum(w * lg) for w, (lg, _) in zip(weights, outs)), outs
+
+    grad = lambda fn: jax.jit(jax.grad(lambda p: loss(p, fn), has_aux=True))(params)
+    (g_reuse, outs_reuse), (g_ref, outs_ref) = grad(ttt.unroll), grad(_concatenated_unroll)
+    for (a_lg, a_st), (b_lg, b_st) in zip(outs_reuse, outs_ref, strict=True):
+        np.testing.assert_allclose(a_lg, b_lg, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a_st, b_st, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_reuse), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert np.abs(outs_ref[2][0] - outs_ref[0][0]).max() > 1e-3  # the steps differ
 
 
 # ------------------------------------------------------------------ the mode

@@ -10,10 +10,13 @@ The unroll, `ttt_steps` = J steps j = 0..J-1: step 0 reads the true features, e^
 f_{t-1}); step j >= 1 reads step j-1's output state, e^j_t = (c_t, h^{j-1}_{t-1}). Query (j, t)
 attends to e^0_s for s <= t-j and to e^i_{t-j+i} for i = 1..j (all in t's document): step j at t
 is the draft after a true-feature prefix ending at t-j followed by j self-fed proposals, the
-state speculative decoding puts it in at depth j. Step j runs the draft once over the
-concatenation [e^0; ...; e^j] (length (j+1)T, positions t for each e^i_t) under `ttt_mask`
-(which gives every earlier block's query its own step's pattern, so the result is exact for any
-number of draft layers) and keeps the last T outputs.
+state speculative decoding puts it in at depth j. As a mask over the concatenation
+[e^0; ...; e^{J-1}] (block-major, positions t for each e^i_t) this is `ttt_mask`; a block's
+queries see only its own and earlier blocks, so every block's keys and values are the same in
+every later step, for any number of draft layers. Step j therefore runs the draft on block j
+alone (T entries), its queries attending, through the draft's KV cache (J T slots, block i at
+slots iT..iT+T-1), to the keys and values steps 0..j-1 wrote there and its own: EAGLE-3's reuse
+of the prefix's K/V, so step j costs one block, not j + 1.
 
 The loss: at step j, position t, divergence(p_t || q^j_t) (specjax.distill.divergences, by name;
 both over the draft's vocabulary: with a reduced map of N target ids the target's logits are
@@ -41,7 +44,7 @@ import optax
 from flax import nnx
 
 from specjax.distill.divergences import get_divergence
-from specjax.models import apply
+from specjax.models import apply, init_cache
 from specjax.parallel import replicated
 from specjax.parallel.sharding import on_mesh
 
@@ -99,19 +102,20 @@ def anchored(loss_mask_BT, segment_ids_BT, j: int):
 def unroll(draft, tokens_BT, fused_BTE, positions_BT, segment_ids_BT, steps: int):
     """[(logits_j [B, T, V_d], state_j [B, T, E]) for j = 0..steps-1] (module docstring);
     fused_BTE: f_t, draft.fuse_features of the target's features at t (shifted here)."""
-    t = tokens_BT.shape[1]
-    feats = [previous_in_segment(fused_BTE, segment_ids_BT)]
-    outs = []
+    b, t = tokens_BT.shape
+    mask = ttt_mask(segment_ids_BT, steps - 1)  # [B, JT, JT]: step j reads rows jT..jT+T-1
+    key_positions = jnp.tile(positions_BT, (1, steps))
+    decoder = draft.config.decoder  # slots hold positions < T: the RoPE bound is T, not J T
+    decoder = dataclasses.replace(decoder, max_len=max(decoder.max_len, steps * t))
+    cache = init_cache(decoder, b, steps * t)
+    feats, outs = previous_in_segment(fused_BTE, segment_ids_BT), []
     for j in range(steps):
         if j:
-            feats.append(previous_in_segment(outs[-1][1], segment_ids_BT))
-        logits, state = draft(
-            jnp.tile(tokens_BT, (1, j + 1)),
-            jnp.concatenate(feats, 1),
-            jnp.tile(positions_BT, (1, j + 1)),
-            mask=ttt_mask(segment_ids_BT, j),
-            last=t,  # step j's own block: earlier blocks' outputs are steps < j's
-        )
+            feats = previous_in_segment(outs[-1][1], segment_ids_BT)
+        logits, state, cache = draft.decode(
+            tokens_BT, feats, t, cache, positions=positions_BT,
+            mask=mask[:, j * t : (j + 1) * t], key_positions=key_positions,
+        )  # fmt: skip
         outs.append((logits, state))
     return outs
 

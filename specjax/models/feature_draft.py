@@ -196,12 +196,11 @@ class FeatureDraft(nnx.Module):
         w = self.lm_head[...].astype(x.dtype)
         return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BT, features_BTE, positions=None, mask=None, last=None):
+    def __call__(self, tokens_BT, features_BTE, positions=None, mask=None):
         """tokens int32 [B, T] (c_t), features [B, T, E] (f_{t-1}) -> (logits float32
         [B, T, V_d], output state [B, T, E]). positions int32 [B, T] default 0..T-1; mask bool
-        [B, T, T] (query t sees key s) default causal, e.g. a training-time-test mask; key
-        position 0 is hidden from later positions in either case. last=L: logits and state of
-        the last L entries only ([B, L, ...]; the head runs on those alone)."""
+        [B, T, T] (query t sees key s) default causal; key position 0 is hidden from later
+        positions in either case."""
         b, t = tokens_BT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -209,26 +208,29 @@ class FeatureDraft(nnx.Module):
             mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
         mask = self._hide_entry_zero(mask, positions, positions)
         x, _ = self._layers(tokens_BT, features_BTE, positions, mask)
-        if last is not None:
-            x = x[:, -last:]
         return self._head(x), x
 
     def init_cache(self, batch_size: int, capacity: int) -> kvc.KVCache:
         """An empty KV cache for the draft's n_layers layers."""
         return kvc.init_cache(self.config.decoder, batch_size, capacity)
 
-    def decode(self, tokens, features, num_valid, cache: kvc.KVCache, positions=None, mask=None):
+    def decode(self, tokens, features, num_valid, cache: kvc.KVCache, positions=None, mask=None,
+               key_positions=None):  # fmt: skip
         """Cached call: tokens [B, T], features [B, T, E], num_valid [B] -> (logits [B, T, V_d],
         output state [B, T, E], cache), as Transformer.decode (written at each row's length,
         advanced by num_valid; positions default length + t, mask bool [B, T, capacity]
-        default causal over the cache)."""
+        default causal over the cache). key_positions int32 [B, capacity]: the position of the
+        entry each slot holds, default the slot's index; slots holding position 0 are hidden
+        from queries at positions > 0 (module docstring)."""
         b, t = tokens.shape
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         if mask is None:
             mask = kvc.cached_mask(cache.lengths, t, cache.capacity)
-        slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, cache.capacity))
-        mask = self._hide_entry_zero(mask, positions, slots)  # slot s holds entry s
+        if key_positions is None:
+            key_positions = jnp.arange(cache.capacity, dtype=jnp.int32)
+            key_positions = jnp.broadcast_to(key_positions, (b, cache.capacity))
+        mask = self._hide_entry_zero(mask, positions, key_positions)
         kvs = list(zip(cache.k, cache.v))
         x, kvs = self._layers(tokens, features, positions, mask, kvs, cache.lengths)
         ks, vs = zip(*kvs)
