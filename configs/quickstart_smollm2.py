@@ -54,6 +54,7 @@ _PRESETS = {
         feature_steps=600,
         feature_ttt_steps=1,
         ngram_ks=(4, 8),  # the training-free n-gram draft's proposals per round
+        ngram_proposals_by_n=(),  # () = k after any match (docs/performance.md, prompt lookup)
         sampled_ks=None,  # spec_eval's ks at T = 1 (None: ks; (): no T = 1 settings)
         teacher_batch=32,  # rows per teacher call (decode steps read all 135M weights)
         prompt_lens=(16, 48),  # spec_eval's prompt lengths (min, max)
@@ -80,7 +81,11 @@ _PRESETS = {
         serve_batches=(1,),
         feature_steps=80,
         feature_ttt_steps=1,
-        ngram_ks=(2,),  # its best k at batch 1 here (k = 4 measured 0.05-0.1x slower)
+        # k = 4, proposing after a match of n = 1 / 2 / 3 tokens 0 / 2 / 4 (a 1-token match
+        # rarely holds: a plain step instead): on the corpus prompts 0.96x against k = 2's 0.89x
+        # and plain k = 4's 0.66x (spec_eval, batch 4, docs/performance.md)
+        ngram_ks=(4,),
+        ngram_proposals_by_n=(0, 2, 4),
         sampled_ks=(),  # greedy only: the verdict is greedy; T = 1 is the full preset's
         teacher_batch=32,
         prompt_lens=(16, 48),
@@ -109,6 +114,7 @@ _PRESETS = {
         feature_steps=4,
         feature_ttt_steps=1,
         ngram_ks=(2,),
+        ngram_proposals_by_n=(),
         sampled_ks=None,
         teacher_batch=8,
         prompt_lens=(8, 16),
@@ -135,7 +141,7 @@ _ESTIMATES = {
         spec_ngram=120,
         serve=50,
         route=90,
-        tasks=240,  # to be measured
+        tasks=360,  # measured 2026-12-06 (a slow hour, docs/quickstart.md)
         report=5,
     ),
     'quick': dict(  # measured 2026-12-06 in a fresh clone, quiet (docs/quickstart.md)
@@ -334,6 +340,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.spec_ngram.draft_kind = 'ngram'
     c.spec_ngram.ngram.max_n = 3  # longest n-gram matched against the context
     c.spec_ngram.ngram.min_n = 1  # shortest (shorter matches propose nothing)
+    c.spec_ngram.ngram.proposals_by_n = p['ngram_proposals_by_n']  # () = k after any match
     c.spec_ngram.eval.ks = p['ngram_ks']
 
     c.serve = ml_collections.ConfigDict()
@@ -351,6 +358,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.serve.ngram_k = p['ngram_ks'][-1]
     c.serve.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')
     c.serve.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
+    c.serve.ngram_proposals_by_n = c.spec_ngram.ngram.get_ref('proposals_by_n')
 
     # the route stage (specjax.evaluation.route_stage): the router and the speculative cascade
     r = _ROUTE[size]
@@ -362,6 +370,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.route.tier = 'fastest'
     c.route.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')  # an n-gram tier's draft
     c.route.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
+    c.route.ngram_proposals_by_n = c.spec_ngram.ngram.get_ref('proposals_by_n')
     c.route.first_m = p['new_tokens'] // 4  # the _first_m signals: after the first m tokens
     c.route.signals = ('mean_nll', 'max_nll', 'mean_nll_first_m', 'max_nll_first_m', 'probe')
     c.route.probe_l2 = 1.0  # the prompt probe's L2 penalty (standardised features)
@@ -379,6 +388,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     c.tasks = ml_collections.ConfigDict(_TASKS[size])
     c.tasks.ngram_max_n = c.spec_ngram.ngram.get_ref('max_n')  # the n-gram draft's
     c.tasks.ngram_min_n = c.spec_ngram.ngram.get_ref('min_n')
+    c.tasks.ngram_proposals_by_n = c.spec_ngram.ngram.get_ref('proposals_by_n')
 
     c.report = ml_collections.ConfigDict()
     c.report.accelerator_ks = (1, 2, 3, 4, 5, 6, 7, 8)

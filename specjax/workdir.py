@@ -16,9 +16,8 @@
 - `resolve(workdir)` / `path(workdir)`: the one spelling of a workdir (str, pathlib.Path or
   epath.Path; a local path absolute with ~ expanded, a remote `gs://` URI kept) and its
   etils.epath.Path, through which every workdir file is read and written (so `gs://` works).
-- RUNNER_PID_ENV: the runner's pid, set for sweep points (specjax.sweeps.lifetime uses it).
-- PREEMPTED_EXIT_CODE: the exit status of a run that stopped on SIGTERM after committing its
-  checkpoint (launchers restart on it).
+- RUNNER_PID_ENV: the runner's pid, set for sweep points (specjax.sweeps.lifetime uses it);
+  PREEMPTED_EXIT_CODE: a run that stopped on SIGTERM after committing its checkpoint.
 """
 
 from __future__ import annotations
@@ -63,9 +62,8 @@ IGNORED_CONFIG_FIELDS = (
     'sweep.dry_run',
 )
 
-# Fields added after workdirs were recorded, by their last dotted component: left out of the
-# identity while at this default (a workdir from before the field existed still matches; any
-# other value is compared like every field).
+# Fields added after workdirs were recorded, by last dotted component: left out of the identity
+# while at this default (an older workdir still matches); any other value is compared.
 DEFAULT_VALUED_FIELDS = {
     'scan_layers': False,  # model.scan_layers, draft.scan_layers (parameter layout)
     'dynamic_greedy': False,  # eval.dynamic_greedy (spec_eval: greedy's own programs)
@@ -73,6 +71,8 @@ DEFAULT_VALUED_FIELDS = {
     'draft_kind': 'model',  # spec_eval's draft: a model, or 'ngram' (training-free lookup)
     'max_n': 3,  # ngram.max_n, ngram.min_n (spec_eval's n-gram draft)
     'min_n': 1,
+    'proposals_by_n': (),  # ngram.proposals_by_n (spec_eval's n-gram draft: k after any match)
+    'ngram_proposals_by_n': (),  # the quickstart's serve, route and tasks n-gram draft
 }
 
 
@@ -231,8 +231,8 @@ def relevant_config(config) -> dict[str, Any]:
 def at_default(field: str, value) -> bool:
     """Whether a dotted field is a DEFAULT_VALUED_FIELDS field at its default (then it counts
     as absent: a workdir written before the field existed matches)."""
-    name = field.rpartition('.')[2]
-    return name in DEFAULT_VALUED_FIELDS and value == DEFAULT_VALUED_FIELDS[name]
+    value = tuple(value) if isinstance(value, list) else value  # JSON reads a tuple as a list
+    return value == DEFAULT_VALUED_FIELDS.get(field.rpartition('.')[2], object())
 
 
 def config_hash(config) -> str:

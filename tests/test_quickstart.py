@@ -243,7 +243,8 @@ def test_report_renders_the_ngram_option(finished, tmp_path):
     root = str(tmp_path / 'w')
     shutil.copytree(workdir, root, ignore=shutil.ignore_patterns('checkpoints*'))
     spec = json.load(open(os.path.join(root, 'spec_distilled', 'spec_eval.json')))
-    spec['models']['draft'] = dict(kind='ngram', max_n=3, min_n=1, num_params=0)
+    spec['models']['draft'] = dict(kind='ngram', max_n=3, min_n=1, proposals_by_n=[0, 2, 4],
+                                   num_params=0)  # fmt: skip
     spec['calibration']['c'], spec['calibration']['draft_step_s'] = 0.0, 0.0
     os.makedirs(os.path.join(root, 'spec_ngram'))
     with open(os.path.join(root, 'spec_ngram', 'spec_eval.json'), 'w') as f:
@@ -255,9 +256,9 @@ def test_report_renders_the_ngram_option(finished, tmp_path):
     json.dump(serve, open(serve_path, 'w'))
     quickstart_report.write(root)
     text = open(os.path.join(root, 'report.md')).read()
-    option = 'speculate with no training (n-gram prompt lookup)'
-    assert 'best k = ' in _cell(text, f'| {option} ', 1, '## Verdict')
-    assert _cell(text, f'| {option} ', 3, '## Verdict') == fmt(0.0)
+    option = 'no training (n-gram prompt lookup, proposing 0/2/4 tokens after a 1/2/3-token match)'
+    assert 'best k = ' in _cell(text, f'| speculate with {option} ', 1, '## Verdict')
+    assert _cell(text, f'| speculate with {option} ', 3, '## Verdict') == fmt(0.0)
     assert 'target + n-gram draft (training-free, speculative)' in text
     assert option in quickstart_report.verdict_text(quickstart_report.load(root))
 

@@ -147,3 +147,14 @@ def test_scan_layers_is_settable_and_old_workdirs_still_match(config_arg, group)
         )
         assert is_stacked(nnx.state(model))
         assert jax.tree.leaves(nnx.state(model))[0].shape[0] == cfg.n_layers
+
+
+def test_sequence_fields_at_their_default_match_as_lists_or_tuples():
+    """A recorded config is JSON (a tuple reads back as a list): a DEFAULT_VALUED_FIELDS sequence
+    at its default counts as absent either way, and any other value does not."""
+    from specjax.workdir import at_default
+
+    for field in ('spec_eval.ngram.proposals_by_n', 'serve.ngram_proposals_by_n'):
+        assert at_default(field, ()) and at_default(field, [])
+        assert not at_default(field, [0, 2, 4]) and not at_default(field, None)
+    assert not at_default('spec_eval.eval.ks', [])  # not a default-valued field

@@ -82,6 +82,17 @@ def ngram_draft(config) -> NGramDraft | None:
         raise ValueError(f'config.ngram: {e}') from None
 
 
+def stage_ngram_draft(cfg) -> NGramDraft:
+    """The n-gram draft of a stage config's flat fields (the quickstart's serve, route and tasks):
+    ngram_max_n, ngram_min_n and ngram_proposals_by_n (absent or (): k proposals after any
+    match). ValueError naming the fields when NGramDraft refuses them."""
+    by_n = tuple(cfg.get('ngram_proposals_by_n', ()))
+    try:
+        return NGramDraft(int(cfg.ngram_max_n), int(cfg.ngram_min_n), by_n)
+    except ValueError as e:
+        raise ValueError(f'ngram_max_n / ngram_min_n / ngram_proposals_by_n: {e}') from None
+
+
 def load_models(config, tok, mesh) -> tuple[Transformer, Transformer | FeatureDraft, dict]:
     """(target, draft, info): from checkpoints, or random-init when config.random_init. A
     draft_workdir of mode feature_draft gives a FeatureDraft (specjax.distill.feature_mode);

@@ -32,7 +32,7 @@ from specjax import jsonio
 from specjax.checkpoint import load_model
 from specjax.data import build_tokenizer
 from specjax.evaluation import measure, route_curves, routing
-from specjax.evaluation.pairs import draft_vocab_ids
+from specjax.evaluation.pairs import draft_vocab_ids, stage_ngram_draft
 from specjax.evaluation.prompts import make_prompts
 from specjax.evaluation.serving import alone_inputs, alone_tokens
 from specjax.evaluation.spec_eval_sampling import dynamic_sampling
@@ -68,10 +68,10 @@ def choose_tier(serve: dict, tier: str) -> dict:
 
 def load_spec_draft(cfg, root: str, method: str, mesh, rules):
     """(draft model or NGramDraft, its vocabulary ids or None) of a spec_ method (serve's
-    names: spec_<draft workdir>, spec_ngram with cfg.ngram_max_n / ngram_min_n)."""
+    names: spec_<draft workdir>, spec_ngram: pairs.stage_ngram_draft(cfg))."""
     name = 'draft_' + method[len('spec_') :]
     if name == 'draft_ngram':
-        return NGramDraft(int(cfg.ngram_max_n), int(cfg.ngram_min_n)), None
+        return stage_ngram_draft(cfg), None
     if name == 'draft_feature':
         from specjax.distill.feature_mode import load_feature_draft
 

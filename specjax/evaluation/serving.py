@@ -5,7 +5,7 @@ serving on the same prompts: the target alone, the distilled draft alone (distil
 replacement), and the target with each draft speculatively (CE draft, distilled draft) at one k,
 and a fifth where <root>/draft_feature holds a finished feature draft (EAGLE-3 shape): the target
 with it speculatively ('spec_feature'); with config.ngram_k > 0 the target with the training-free
-n-gram draft at k = ngram_k ('spec_ngram', NGramDraft(config.ngram_max_n, config.ngram_min_n)).
+n-gram draft at k = ngram_k ('spec_ngram', pairs.stage_ngram_draft(config)).
 Every batch size serves the same config.prompts prompts (round-robin over domains) in calls of
 b rows (at batch 1: one call per prompt). Every sampler is compiled once, ahead of time, for
 max_new_tokens N; the 1-token call runs the same program with a run-time limit of 1
@@ -33,13 +33,12 @@ from specjax import jsonio
 from specjax.checkpoint import load_model
 from specjax.data import build_tokenizer
 from specjax.evaluation import intervals, measure
-from specjax.evaluation.pairs import draft_vocab_ids, num_params
+from specjax.evaluation.pairs import draft_vocab_ids, num_params, stage_ngram_draft
 from specjax.evaluation.prompts import make_prompts
 from specjax.evaluation.spec_eval_sampling import dynamic_sampling
 from specjax.models import split
 from specjax.parallel import make_mesh
 from specjax.sampling import (
-    NGramDraft,
     SamplingConfig,
     make_autoregressive_fn,
     make_speculative_fn,
@@ -108,7 +107,7 @@ def run(config, workdir: str, root: str) -> dict:
     vocab = {name: draft_vocab_ids(os.path.join(root, name)) for name in models}
     ks = {}  # proposals per round of a spec_ method other than the pairs' k
     if int(config.get('ngram_k', 0)) > 0:
-        ngram = NGramDraft(int(config.ngram_max_n), int(config.ngram_min_n))
+        ngram = stage_ngram_draft(config)
         split_models['draft_ngram'], vocab['draft_ngram'] = (ngram, ()), None
         methods += (NGRAM_METHOD,)
         ks[NGRAM_METHOD] = int(config.ngram_k)

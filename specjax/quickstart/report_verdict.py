@@ -100,6 +100,18 @@ def _student_row(d: dict) -> list:
     ]
 
 
+def _ngram_label(spec: dict) -> str:
+    """The n-gram option's name, with its proposals per match length where it has them."""
+    by_n = spec.get('models', {}).get('draft', {}).get('proposals_by_n') or ()
+    policy = (
+        f', proposing {"/".join(map(str, by_n))} tokens after a '
+        f'{"/".join(str(n) for n in range(1, len(by_n) + 1))}-token match'
+        if by_n
+        else ''
+    )
+    return f'speculate with no training (n-gram prompt lookup{policy})'
+
+
 def verdict_rows(d: dict) -> list[list]:
     """[option, latency vs target, output quality, training CPU s, where it pays]."""
     rows = []
@@ -117,7 +129,7 @@ def verdict_rows(d: dict) -> list[list]:
             )
         )
     if 'spec_ngram' in d:
-        row = _spec_row(d, 'spec_ngram', 'speculate with no training (n-gram prompt lookup)', '')
+        row = _spec_row(d, 'spec_ngram', _ngram_label(d['spec_ngram']), '')
         row[3] = 0.0  # nothing trained
         rows.append(row)
     if d.get('route', {}).get('best_signal'):  # the fourth answer: student, else target tier
