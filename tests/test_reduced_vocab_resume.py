@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import pytest
 from test_checkpoint import _snapshot, params_of, sigterm_at, steps_in
+from test_quickstart_presets import _load_config
 from test_reduced_vocab_distill import (  # noqa: F401 (setup: the fixture)
     _cache,
     _draft_config,
-    _load_config,
     _StubTokenizer,
     setup,
 )
