@@ -173,6 +173,16 @@ def resume(ckpts: Checkpoints, task: Task, train_cfg):
     return step, state, data_state
 
 
+def _write_metrics(writer, ckpts, step: int, split: str, scalars: dict) -> None:
+    """writer.write, but a write that fails while an async checkpoint save is in flight (a save
+    filling the disk makes the metrics row fail first) reports the save's own one-line error."""
+    try:
+        writer.write(step, split, scalars)
+    except OSError:
+        ckpts.wait()  # raises CheckpointWriteError if the save failed: the cause
+        raise
+
+
 def run_loop(task: Task, workdir: str, train_cfg, *, on_step: Callable | None = None):
     """Trains `task` to train_cfg.steps, resuming from <workdir>/checkpoints if present.
 
@@ -238,7 +248,7 @@ def _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start) ->
         nonlocal last_eval, eval_step
         t0 = time.perf_counter()
         last_eval, eval_step = task.evaluate(state), step
-        writer.write(step, 'eval', last_eval)
+        _write_metrics(writer, ckpts, step, 'eval', last_eval)
         log(f'eval step {step}: ' + '  '.join(f'{k} {v:.4f}' for k, v in last_eval.items()))
         progress.pause(time.perf_counter() - t0)
 
@@ -269,7 +279,7 @@ def _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start) ->
         if _due(step, train_cfg.log_every) or step == total:
             scalars = pending.pop_means()
             scalars.update(progress.update(step))
-            writer.write(step, 'train', scalars)
+            _write_metrics(writer, ckpts, step, 'train', scalars)
             log(format_progress(step, total, scalars))
         eval_due = _due(step, train_cfg.eval_every) or step == total
         if task.evaluate and eval_due and not stop:
