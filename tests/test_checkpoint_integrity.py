@@ -245,3 +245,22 @@ def test_a_full_disk_stops_training_at_once_with_one_clear_line(tmp_path, finish
     assert intact == list(range(4, failed, 4)) and intact
     for step in intact:
         integrity.verify_step(keep / 'checkpoints' / str(step))
+
+
+def test_closing_on_a_full_disk_keeps_the_error_that_stopped_training():
+    """The metrics writer's close flushes too: on the same full disk it fails again, and must
+    not replace the checkpoint error on its way out (seen under load in a fresh-clone suite)."""
+    from specjax.train import loop
+
+    class Failing:
+        closed = False
+
+        def close(self):
+            self.closed = True
+            raise OSError(28, 'No space left on device')
+
+    writer, ckpts = Failing(), Failing()
+    loop._close(writer, ckpts, failing=True)  # the error in flight stays the one raised
+    assert writer.closed and ckpts.closed
+    with pytest.raises(OSError):  # nothing in flight: a failing close is the error
+        loop._close(writer, ckpts, failing=False)

@@ -216,11 +216,30 @@ def _run_loop(task: Task, workdir: str, train_cfg, on_step):
                 state = task.init_state()
                 start = int(jax.device_get(state.step))  # > 0: continues another run (cotrain)
             writer = MetricsWriter(workdir, keep_through=start)  # rows past `start` are redone
-            return _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start)
-        finally:
-            if writer is not None:
-                writer.close()
+            result = _train(task, train_cfg, on_step, ckpts, writer, preemption, state, start)
+        except BaseException:
+            _close(writer, ckpts, failing=True)
+            raise
+        _close(writer, ckpts, failing=False)
+        return result
+
+
+def _close(writer: MetricsWriter | None, ckpts: Checkpoints, *, failing: bool) -> None:
+    """Closes the metrics writer, then the checkpoint manager. While another error propagates
+    (`failing`), a close that fails with OSError (the same full disk, flushing the metrics)
+    does not replace it."""
+    try:
+        if writer is not None:
+            writer.close()
+    except OSError:
+        if not failing:
+            raise
+    finally:
+        try:
             ckpts.close()
+        except OSError:
+            if not failing:
+                raise
 
 
 def _stopped(preemption: _Preemption, ckpts: Checkpoints, state, step: int, last_eval):
