@@ -112,6 +112,31 @@ def _ngram_label(spec: dict) -> str:
     return f'speculate with no training (n-gram prompt lookup{policy})'
 
 
+def _ngram_why(r: dict) -> str:
+    """What bounds a prompt-lookup draft, from its best run's counts: how often the context
+    offered a match to copy (proposals per round) and how much of what it copied the target
+    kept; where it is not faster, the reason in words."""
+    rounds, drafted, accepted = r.get('rounds'), r.get('drafted'), r.get('accepted')
+    if not rounds or drafted is None or accepted is None:
+        return ''
+    counts = (
+        f'; it proposed {drafted} tokens in {rounds} rounds ({fmt(drafted / rounds)} a round, '
+        f'{fmt(r["k"])} at most) and the target kept {accepted}'
+    )
+    if (r.get('speedup') or {}).get('verdict') == 'faster':
+        return counts
+    few = drafted / rounds < r['k'] / 2
+    reason = (
+        'the text repeats its context too little for prompt lookup to find runs to copy'
+        if few
+        else 'the runs it copies diverge from what the target writes'
+    )
+    return (
+        f'{counts}: {reason} (it pays where the output copies its context, e.g. rewriting '
+        'code it was shown)'
+    )
+
+
 def verdict_rows(d: dict) -> list[list]:
     """[option, latency vs target, output quality, training CPU s, where it pays]."""
     rows = []
@@ -131,6 +156,7 @@ def verdict_rows(d: dict) -> list[list]:
     if 'spec_ngram' in d:
         row = _spec_row(d, 'spec_ngram', _ngram_label(d['spec_ngram']), '')
         row[3] = 0.0  # nothing trained
+        row[4] += _ngram_why(_best(d['spec_ngram'], 'T=0'))
         rows.append(row)
     if d.get('route', {}).get('best_signal'):  # the fourth answer: student, else target tier
         rows.append(route_row(d))
