@@ -89,24 +89,26 @@ TARGET = make_model(tiny_config(V), seed=0, scale=8.0)
 DRAFT = make_model(tiny_config(V), seed=1, scale=8.0)
 
 
-def _serve(draft, seed):
+def _serve(draft, seed, logprobs=False):
     fn = make_speculative_fn(
         split(TARGET)[0], split(draft)[0], num_draft_tokens=K, max_new_tokens=NEW,
-        sampling=SAMPLING,
+        sampling=SAMPLING, target_logprobs=logprobs,
     )  # fmt: skip
     prompts, lengths = ragged_prompts(PROMPTS, NUM_SAMPLES)
     return fn(split(TARGET)[1], split(draft)[1], prompts, lengths, seed)
 
 
 def _online_update(out, steps=12):
-    """The mode's learning path on 64 served rows: re-score, select, buffer, online steps."""
+    """The mode's learning path on 64 served rows: the draft scores them (the sampler returned
+    the target's log-probs), select, buffer, online steps."""
     tgd, tparams = split(TARGET)
     dgd, dparams = split(DRAFT)
     prompts, lengths = ragged_prompts(PROMPTS, 64)
-    rescore = rescore_program(tgd, dgd, SAMPLING, make_mesh(default_mesh_config()), True)
-    seq, mask, alpha, logp = jax.device_get(
-        rescore(tparams, dparams, prompts, lengths, out.tokens[:64], out.lengths[:64])
-    )
+    mesh = make_mesh(default_mesh_config())
+    program = rescore_program(tgd, dgd, SAMPLING, mesh, True, served=True)
+    served = (out.tokens[:64], out.lengths[:64], out.target_logprobs[:64])
+    rescore = lambda params: jax.device_get(program(tparams, params, prompts, lengths, *served))
+    seq, mask, alpha, logp = rescore(dparams)
     rows, cols, wrong = select(alpha, mask, wrong_below=0.5, right_fraction=0.2, seed=0, round_=0)
     buf = OnlineBuffer.empty(256, seq.shape[1], V)
     buf.add(seq, rows, cols, logp[rows, cols], wrong, rows)
@@ -116,9 +118,7 @@ def _online_update(out, steps=12):
     for s in range(steps):
         b = buf.sample(8, seed=0, update=0, step=s)
         state, _ = step(state, b['tokens'], b['length'], b['mask'], b['teacher'])
-    new_alpha = jax.device_get(
-        rescore(tparams, state.params, prompts, lengths, out.tokens[:64], out.lengths[:64])[2]
-    )
+    new_alpha = rescore(state.params)[2]
     return merge(dgd, state.params), float(alpha[mask].mean()), float(new_alpha[mask].mean())
 
 
@@ -126,7 +126,7 @@ def test_served_law_is_the_targets_across_an_update():
     """Rows served before and after an online update follow the enumerated target law
     (chi-square per position and adjacent pair, Holm over both phases); the updated draft's
     own samples (the negative control) are rejected by the same test."""
-    before = _serve(DRAFT, seed=1)
+    before = _serve(DRAFT, seed=1, logprobs=True)  # the learning rounds' sampler
     updated, alpha0, alpha1 = _online_update(before)
     assert alpha1 > alpha0 + 0.05, (alpha0, alpha1)  # the update moved the draft
     after = _serve(updated, seed=2)

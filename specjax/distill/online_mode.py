@@ -145,15 +145,19 @@ class OnlineRun:
             sampling=self.settings.sampling, eos_id=self.eos, mesh=self.mesh, rules=rules,
             draft_rules=draft_rules,
         )  # fmt: skip
+        # (arm, learning): the online arm's learning rounds also return the target's log-probs
         self.samplers = {
-            a: make_speculative_fn(self.tgd, self.dgd[a], **common) for a in report.ARMS
-        }
-        self.rescore = {
-            (a, logp): rescore_program(
-                self.tgd, self.dgd[a], self.settings.sampling, self.mesh, logp
-            )
+            (a, learn): make_speculative_fn(
+                self.tgd, self.dgd[a], **common, target_logprobs=learn
+            )  # fmt: skip
             for a in report.ARMS
-            for logp in ((False, True) if a == 'online' else (False,))
+            for learn in ((False, True) if a == 'online' else (False,))
+        }
+        self.rescore = {  # (arm, learning): measuring alpha, or the draft's side of learning
+            (a, learn): rescore_program(
+                self.tgd, self.dgd[a], self.settings.sampling, self.mesh, learn, served=learn
+            )
+            for a, learn in self.samplers
         }
         tx = make_optimizer(optimizer_config(self.o, self.settings.total_steps))
         self.plan = plan_train_state(self.draft_cfg, tx, self.seed, self.mesh, draft_rules)
@@ -220,11 +224,12 @@ class OnlineRun:
         t0 = time.perf_counter()
         prompts, lengths = self.stream.batch(0, int(self.stream_cfg.batch_size))
         key = jax.random.key(self.seed ^ 0x5EED)
-        for arm in report.ARMS:
+        for arm, learn in self.samplers:
             params = state.params if arm == 'online' else self.params[arm]
-            out = self.samplers[arm](self.tparams, params, prompts, lengths, key)
-            jax.block_until_ready(self.rescore[arm, arm == 'online'](
-                self.tparams, params, prompts, lengths, out.tokens, out.lengths
+            out = self.samplers[arm, learn](self.tparams, params, prompts, lengths, key)
+            served = (out.target_logprobs,) if learn else ()
+            jax.block_until_ready(self.rescore[arm, learn](
+                self.tparams, params, prompts, lengths, out.tokens, out.lengths, *served
             ))  # fmt: skip
         n, width = int(self.o.batch_size), self.settings.width
         dummy = self._place(
@@ -239,18 +244,19 @@ class OnlineRun:
     def _place(self, batch):
         return [jax.device_put(batch[k], self.batch_sharding) for k in STEP_KEYS]
 
-    def _serve(self, arm, params, prompts, lengths, key):
+    def _serve(self, arm, learn, params, prompts, lengths, key):
         w0, c0 = time.perf_counter(), time.process_time()
-        out = self.samplers[arm](self.tparams, params, prompts, lengths, key)
+        out = self.samplers[arm, learn](self.tparams, params, prompts, lengths, key)
         jax.block_until_ready((out.tokens, out.lengths, out.stats))
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         return out, jax.device_get({k: out.stats[k] for k in _STATS}), wall, cpu
 
     def _learn(self, acc, r, params, prompts, lengths, out, buffer):
-        """Re-scores the online arm's served rows and adds entries -> (alpha, mask)."""
+        """Scores the online arm's served rows with the draft (the target's log-probs came
+        with them) and adds entries -> (alpha, mask)."""
         w0, c0 = time.perf_counter(), time.process_time()
         seq, mask, alpha, logp = jax.device_get(self.rescore['online', True](
-            self.tparams, params, prompts, lengths, out.tokens, out.lengths
+            self.tparams, params, prompts, lengths, out.tokens, out.lengths, out.target_logprobs
         ))  # fmt: skip
         rows, cols, wrong = select(
             alpha, mask, wrong_below=float(self.o.wrong_below),
@@ -300,8 +306,9 @@ class OnlineRun:
             for j in range(len(report.ARMS)):  # turns rotate: drift hits every arm alike
                 arm = report.ARMS[(r + j) % len(report.ARMS)]
                 params = state.params if arm == 'online' else self.params[arm]
-                out, stats, wall, cpu = self._serve(arm, params, prompts, lengths, key)
-                if arm == 'online' and r % int(self.o.learn_every) == 0:
+                learn = arm == 'online' and r % int(self.o.learn_every) == 0
+                out, stats, wall, cpu = self._serve(arm, learn, params, prompts, lengths, key)
+                if learn:
                     alpha, mask = self._learn(
                         windows[arm], r, params, prompts, lengths, out, buffer
                     )

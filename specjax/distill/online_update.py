@@ -1,13 +1,13 @@
-"""The online draft's programs: re-scoring what was served, and a distillation step on the buffer.
+"""The online draft's programs: its alpha on what was served, and a distillation step on the buffer.
 
-Where the target's distributions come from. The speculative sampler computes the target's logits
-inside its compiled loop and returns tokens and counts only; carrying the verified positions'
-[k + 1, V] distributions out would add a [B, N + k + 1, V] array to the loop state of a shared
-sampler. Instead `rescore_program` runs the target and the draft over prompt + served tokens in
-one batched forward each (the distributions the sampler verified against, up to float rounding
-between the cached and the uncached forward), which also gives the draft's acceptance
-probability alpha_t = sum_v min(p_v, q_v) at every served position: what the buffer selects by.
-Its cost is measured and reported with the update's (docs/findings.md).
+Where the target's distributions come from. The chain sampler computes the target's logits
+inside its compiled loop; asked with `target_logprobs=True` it returns their log-softmax at every
+emitted position (specjax.sampling.verified: [B, N, V], the distributions it verified with), and
+`rescore_program(..., served=True)` then runs only the draft over prompt + served tokens, for the
+draft's acceptance probability alpha_t = sum_v min(p_v, q_v) at every served position (what the
+buffer selects by). Without them (`served=False`) the target runs there too, in one batched
+forward: the same distributions up to float rounding between the cached and the uncached
+forward (the measurement of the arms that do not learn). Costs: docs/findings.md.
 
 `online_step` is `specjax.distill.steps.draft_update` (the distill mode's update, with its
 divergence from `specjax.distill.divergences`) on N rows of the buffer: a row is one request's
@@ -32,26 +32,39 @@ from specjax.sampling import SamplingConfig
 from specjax.sampling.stats import alpha_per_position
 
 
-def _rescore(tgd, dgd, tparams, dparams, prompts, prompt_lengths, tokens, lengths, *, sampling,
-             with_logp):  # fmt: skip
+def _rescore(tgd, dgd, tparams, dparams, prompts, prompt_lengths, tokens, lengths,
+             served_logp=None, *, sampling, with_logp):  # fmt: skip
     """prompts int32 [B, P] (lengths [B]) + served tokens int32 [B, N] (lengths [B]) ->
     (seq int32 [B, W], mask bool [B, W-1], alpha float32 [B, W-1], logp float32 [B, W-1, V]
     or None), W = P + N: position t of mask/alpha/logp predicts seq[:, t + 1]; mask marks the
-    served tokens; logp is the target's log-softmax at temperature 1."""
+    served tokens; logp is the target's log-softmax at temperature 1: from `served_logp`
+    [B, N, V] (the sampler's, per served token) where given, else from a target forward."""
     batch = assemble(prompts, prompt_lengths, tokens, lengths)
     args = (batch['tokens'], batch['positions'], batch['segment_ids'])
-    t_logits = apply(tgd, tparams, *args)[:, :-1]
     d_logits = apply(dgd, dparams, *args)[:, :-1]
+    if served_logp is None:
+        t_logits = apply(tgd, tparams, *args)[:, :-1]
+    else:  # served token j of row b sits at seq[b, P_b + j]: predicted at position P_b + j - 1
+        n = served_logp.shape[1]
+        at = jnp.asarray(prompt_lengths, jnp.int32)[:, None] - 1 + jnp.arange(n)[None]
+        rows = jnp.arange(at.shape[0])[:, None]
+        blank = jnp.zeros(d_logits.shape[:2] + served_logp.shape[2:], jnp.float32)
+        t_logits = blank.at[rows, at].set(served_logp, mode='drop')
     alpha = alpha_per_position(t_logits, d_logits, sampling)
     logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1) if with_logp else None
     return batch['tokens'], batch['loss_mask'], alpha, logp
 
 
 @functools.lru_cache(maxsize=16)
-def rescore_program(tgd, dgd, sampling: SamplingConfig, mesh, with_logp: bool):
-    """jit of (tparams, dparams, prompts, prompt_lengths, tokens, lengths) -> _rescore's tuple;
-    with_logp False (measuring alpha only) leaves the [B, W-1, V] log-probabilities out."""
+def rescore_program(tgd, dgd, sampling: SamplingConfig, mesh, with_logp: bool,
+                    served: bool = False):  # fmt: skip
+    """jit of (tparams, dparams, prompts, prompt_lengths, tokens, lengths[, served_logp]) ->
+    _rescore's tuple; with_logp False (measuring alpha only) leaves the [B, W-1, V]
+    log-probabilities out; `served`: the target's log-probs come from the sampler
+    (SampleOutput.target_logprobs) and only the draft runs."""
     fn = functools.partial(_rescore, tgd, dgd, sampling=sampling, with_logp=with_logp)
+    if not served:
+        fn = functools.partial(fn, served_logp=None)
     return jax.jit(on_mesh(fn, mesh))
 
 

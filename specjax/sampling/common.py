@@ -54,12 +54,15 @@ class SampleOutput:
     `nonfinite_target` / `nonfinite_draft` (bool scalars): a model's logits held NaN or inf in
     an active row (specjax.sampling.guards; the samplers raise on concrete results). Under a
     grammar, `row_grammar_state` [B]: the automaton's state after the row's tokens.
+    target_logprobs float32 [B, max_new_tokens, V]: the target's log-probs at each emitted
+    position, where asked for (speculative_sample's `target_logprobs`; specjax.sampling.verified).
     """
 
     tokens: jax.Array
     lengths: jax.Array
     stats: dict[str, jax.Array]
     finish_reason: jax.Array | None = None
+    target_logprobs: jax.Array | None = None
 
 
 def config_of(graphdef) -> TransformerConfig:
@@ -356,8 +359,11 @@ def _pinned_output(core, batch_spec, rep, *args) -> SampleOutput:
     out = core(*args)
     pin = jax.lax.with_sharding_constraint
     stats = {k: pin(v, batch_spec if k.startswith('row_') else rep) for k, v in out.stats.items()}
-    finish = None if out.finish_reason is None else pin(out.finish_reason, batch_spec)
-    return SampleOutput(pin(out.tokens, batch_spec), pin(out.lengths, batch_spec), stats, finish)
+    rows = lambda x: None if x is None else pin(x, batch_spec)
+    return SampleOutput(
+        rows(out.tokens), rows(out.lengths), stats, rows(out.finish_reason),
+        rows(out.target_logprobs),
+    )  # fmt: skip
 
 
 def shard_caches(mesh, caches_and_rules):

@@ -15,18 +15,27 @@ hidden states); specjax.sampling.drafters says what each has consumed and catche
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from specjax.models import KVCache, init_cache, split
-from specjax.sampling import common, constrain, drafters, emit, guards, proposals, task, widths
+from specjax.models import init_cache, split
+from specjax.sampling import (
+    common,
+    constrain,
+    drafters,
+    emit,
+    guards,
+    proposals,
+    task,
+    verified,
+    widths,
+)
 from specjax.sampling import stats as st
 from specjax.sampling.acceptance import as_acceptance, verify_rule
 from specjax.sampling.cascade import bind_lenience, lenience_of, verify_round
 from specjax.sampling.draft_vocab import check_draft_vocab
+from specjax.sampling.state import SpeculativeState
 from specjax.sampling.transforms import (
     SamplingConfig,
     branch,
@@ -42,41 +51,6 @@ from specjax.sampling.verify import stop_at, take_position, verify, verify_greed
 # draft against a smoothed q.
 _BUGS = (None, 'bonus_from_q', 'residual_untransformed', 'bf16_draft', 'stop_drops_proposal',
          'unmasked_q', 'ngram_soft_q')  # fmt: skip
-
-
-@struct.dataclass
-class SpeculativeState:
-    """Loop state of the chain and tree samplers (B rows, K = k proposals for a chain or the
-    tree's depth D, N = max_new_tokens + K + 1).
-
-    tcache / dcache: target / draft KV caches. last [B]: the newest context token, not yet fed
-    to the target; prev [B]: the last accepted proposal of the previous round (x_k, or the
-    depth-D node), fed to a token draft with `last` when draft_pending [B] is 2; a feature
-    draft's draft_pending entries are in dfeed (specjax.sampling.drafters). out [B, N] emitted
-    tokens, emitted [B] their count, done [B]. round (scalar) batched rounds so far, row_rounds
-    [B] rounds each row was active in; row_examined_per_position / row_accepted_per_position
-    [B, K]: rounds in which the row tested / accepted a proposal at position (depth) i + 1.
-    nonfinite_target / nonfinite_draft (bool scalars): whether that model's logits held NaN or
-    inf in an active row in some round so far (specjax.sampling.guards).
-    """
-
-    tcache: KVCache
-    dcache: KVCache
-    last: jax.Array
-    prev: jax.Array
-    draft_pending: jax.Array
-    out: jax.Array
-    emitted: jax.Array
-    done: jax.Array
-    round: jax.Array
-    row_rounds: jax.Array
-    row_examined_per_position: jax.Array
-    row_accepted_per_position: jax.Array
-    row_drafted: Any = None  # [B] proposals made (chain sampler; k per round without a stop)
-    nonfinite_target: jax.Array = False  # defaults: states built outside the samplers
-    nonfinite_draft: jax.Array = False
-    dfeed: Any = ()
-    task: Any = ()  # a task.TaskState under stops or a grammar
 
 
 def speculative_sample(
@@ -150,6 +124,7 @@ def make_speculative_fn(
     stop_below: float | None = None,
     grammar=None,
     stops=None,
+    target_logprobs: bool = False,
     _bug=None,
 ):
     """fn(target_params, draft_params, prompts, prompt_lengths, rng) -> SampleOutput.
@@ -165,6 +140,8 @@ def make_speculative_fn(
     Arguments are checked here and in fn before any compile; fn raises NonFiniteLogitsError
     after a call with non-finite logits (`check_finite=False`: unchecked, to measure the cost).
     A cascade's lenience is a run-time value too: `cascade.with_lenience(fn, a)`.
+    `target_logprobs`: the output's `target_logprobs` [B, max_new_tokens, V] holds the target's
+    log-softmax at every emitted position (specjax.sampling.verified); the tokens are the same.
     """
     k = common.check_positive_int('num_draft_tokens', num_draft_tokens)
     max_new = common.check_positive_int('max_new_tokens', max_new_tokens)
@@ -197,6 +174,7 @@ def make_speculative_fn(
         bool(check_finite),
         drafter,
         stop_below,
+        bool(target_logprobs),
     )
     program = program.with_sampling(sampling, dynamic_sampling, eos_id).with_task(tables)
     return bind_lenience(program, acc.cascade_lenience) if acc.cascade else program
@@ -205,7 +183,7 @@ def make_speculative_fn(
 @functools.lru_cache(maxsize=64)
 def _cached_fn(
     target_graphdef, draft_graphdef, k, max_new, mesh, rules, draft_rules, acc, vocab, bug,
-    check_finite, drafter, stop_below,
+    check_finite, drafter, stop_below, keep_logp,
 ):  # fmt: skip
     draft_model = None if isinstance(drafter, drafters.NGramDrafter) else draft_graphdef
     models = (
@@ -232,6 +210,7 @@ def _cached_fn(
         check_finite=check_finite,
         drafter=drafter,
         stop_below=stop_below,
+        keep_logp=keep_logp,
     )
     return common.ShardedSampler(
         core, mesh, rules, check, models, takes_values=True, name='speculative_sample',
@@ -242,6 +221,7 @@ def _cached_fn(
 def _speculative_core(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, rng, values, *, k, max_new, acc, vocab,
     bug, layout, check_finite=True, drafter=drafters.TOKEN_DRAFTER, stop_below=None,
+    keep_logp=False,
 ):  # fmt: skip
     """The sampler's body; values (sampling, stop[, task]): a TracedSampling (or a static
     SamplingConfig: same tokens), an emit.Stop (max_new: the buffer's size at most) and an
@@ -250,7 +230,7 @@ def _speculative_core(
     lenience = lenience_of(values) if acc.cascade else None
     state = initial_state(
         tgd, dgd, tparams, dparams, prompts, prompt_lengths, k=k, max_new=max_new, vocab=vocab,
-        layout=layout, drafter=drafter,
+        layout=layout, drafter=drafter, keep_logp=keep_logp,
     )  # fmt: skip
     state = state if con is None else state.replace(task=con.initial())
     body = functools.partial(
@@ -264,12 +244,13 @@ def _speculative_core(
     calls = (state.row_drafted + 1) * int(not drafter.variable_length)  # n-gram: no model
     flags = {name: getattr(state, name) for name in guards.FLAG_STATS}
     stats = st.sampler_stats(state, state.row_drafted, calls, flags) | extra
-    return common.SampleOutput(tokens, state.emitted, stats, finish)
+    logp = verified.output(state.verified, max_new)
+    return common.SampleOutput(tokens, state.emitted, stats, finish, logp)
 
 
 def initial_state(
     tgd, dgd, tparams, dparams, prompts, prompt_lengths, *, k, max_new, vocab, layout,
-    drafter=drafters.TOKEN_DRAFTER,
+    drafter=drafters.TOKEN_DRAFTER, keep_logp=False,
 ):  # fmt: skip
     """The SpeculativeState before the first round: both caches prefilled with the prompts up to
     their last token (which is `last`, fed by round one), nothing emitted; traced, jit it."""
@@ -293,6 +274,7 @@ def initial_state(
         row_examined_per_position=jnp.zeros((batch, k), jnp.int32),
         row_accepted_per_position=jnp.zeros((batch, k), jnp.int32),
         **guards.initial_flags(), dfeed=dfeed,
+        verified=verified.initial(batch, capacity - width, vocab.target_vocab, keep_logp),
     )  # fmt: skip
 
 
@@ -321,6 +303,7 @@ def _round(
     else:
         logits, tcache, features = drafter.target_call(tgd, tparams, tokens, 0 * act, state.tcache)
     target_bad = guards.any_nonfinite(logits, active, check_finite)
+    logp = verified.write(state.verified, logits, state.emitted, active)  # before any mask
     if con is not None:  # p~: masked at the grammar state along the drafted prefix
         g_BK1 = con.walk(state.task.grammar, x_BK)
         logits = con.logits(logits, g_BK1, state.emitted[:, None] + jnp.arange(k + 1)[None])
@@ -395,4 +378,5 @@ def _round(
         nonfinite_draft=state.nonfinite_draft | draft_bad,
         dfeed=dfeed,
         task=tstate,
+        verified=logp,
     )

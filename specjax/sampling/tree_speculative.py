@@ -37,7 +37,7 @@ from specjax.sampling import stats as st
 from specjax.sampling import tree as tr
 from specjax.sampling.acceptance import as_acceptance
 from specjax.sampling.draft_vocab import check_draft_vocab
-from specjax.sampling.speculative import SpeculativeState
+from specjax.sampling.state import SpeculativeState
 from specjax.sampling.transforms import SamplingConfig, transform_logits
 from specjax.sampling.tree_walk import TREE_RULES, DraftedTree, compact, tree_mask, walk
 from specjax.sampling.verify import leading_true
