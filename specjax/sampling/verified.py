@@ -26,9 +26,11 @@ def write(buffer, logits_BWV, emitted_B, active_B):
     if isinstance(buffer, tuple):
         return buffer
     logp = jax.nn.log_softmax(logits_BWV.astype(jnp.float32), axis=-1)
+    width = logp.shape[1:]
+    old = jax.vmap(lambda buf, at: jax.lax.dynamic_slice(buf, (at, 0), width))(buffer, emitted_B)
+    new = jnp.where(active_B[:, None, None], logp, old)  # a finished row keeps its entries
     put = lambda buf, lp, at: jax.lax.dynamic_update_slice(buf, lp, (at, 0))
-    written = jax.vmap(put)(buffer, logp, emitted_B)
-    return jnp.where(active_B[:, None, None], written, buffer)
+    return jax.vmap(put)(buffer, new, emitted_B)
 
 
 def output(buffer, max_new: int):
