@@ -51,7 +51,10 @@ def _rescore(tgd, dgd, tparams, dparams, prompts, prompt_lengths, tokens, length
         blank = jnp.zeros(d_logits.shape[:2] + served_logp.shape[2:], jnp.float32)
         t_logits = blank.at[rows, at].set(served_logp, mode='drop')
     alpha = alpha_per_position(t_logits, d_logits, sampling)
-    logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1) if with_logp else None
+    logp = None
+    if with_logp:  # the sampler's entries are log-probs already (zeros off the served tokens)
+        normalize = lambda lg: jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+        logp = t_logits if served_logp is not None else normalize(t_logits)
     return batch['tokens'], batch['loss_mask'], alpha, logp
 
 

@@ -225,21 +225,17 @@ def _run_loop(task: Task, workdir: str, train_cfg, on_step):
 
 
 def _close(writer: MetricsWriter | None, ckpts: Checkpoints, *, failing: bool) -> None:
-    """Closes the metrics writer, then the checkpoint manager. While another error propagates
-    (`failing`), a close that fails with OSError (the same full disk, flushing the metrics)
-    does not replace it."""
-    try:
-        if writer is not None:
-            writer.close()
-    except OSError:
-        if not failing:
-            raise
-    finally:
+    """Closes the metrics writer, then the checkpoint manager (both, whatever the first does).
+    A close failing with OSError is raised after both ran, unless another error propagates
+    (`failing`: the same full disk flushing the metrics must not replace it)."""
+    error = None
+    for close in ([writer.close] if writer is not None else []) + [ckpts.close]:
         try:
-            ckpts.close()
-        except OSError:
-            if not failing:
-                raise
+            close()
+        except OSError as e:
+            error = error or e
+    if error is not None and not failing:
+        raise error
 
 
 def _stopped(preemption: _Preemption, ckpts: Checkpoints, state, step: int, last_eval):
