@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,6 +166,19 @@ def test_functional_apply_matches_module(model):
     np.testing.assert_allclose(
         jax.jit(apply, static_argnums=0)(graphdef, params, tok), model(tok), atol=1e-5
     )
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_logits_at_are_the_full_logits_at_those_positions(tie, highest_precision):
+    m = Transformer(dataclasses.replace(CFG, tie_embeddings=tie), rngs=nnx.Rngs(1))
+    graphdef, params = split(m)
+    tok = _tokens(3, 9, seed=2)
+    segments = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3, [1] * 2 + [0] * 7])
+    at = jnp.asarray([[0, 3, 8, 8], [1, 2, 4, 5], [0, 1, 0, 0]], jnp.int32)
+    full = apply(graphdef, params, tok, segment_ids=segments)
+    got = jax.jit(apply, static_argnums=0)(graphdef, params, tok, None, segments, logits_at=at)
+    assert got.shape == (3, 4, CFG.vocab_size)
+    np.testing.assert_allclose(got, jnp.take_along_axis(full, at[..., None], axis=1), atol=1e-5)
 
 
 @pytest.mark.parametrize(

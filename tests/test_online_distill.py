@@ -30,8 +30,13 @@ from specjax.distill import online_mode
 from specjax.distill import online_report as report
 from specjax.distill.online_buffer import OnlineBuffer, entry_bytes, select
 from specjax.distill.online_stream import make_stream
-from specjax.distill.online_update import online_step, rescore_program
-from specjax.distill.steps import LossSettings
+from specjax.distill.online_update import (
+    online_step,
+    rescore_program,
+    rows_batch,
+    served_entries,
+)
+from specjax.distill.steps import LossSettings, draft_update
 from specjax.models import merge, split
 from specjax.parallel import make_mesh
 from specjax.parallel.mesh import default_mesh_config
@@ -67,9 +72,27 @@ def test_buffer_is_bounded_fifo_and_sampled_rows_hold_every_entry():
     assert sorted(buf.arrays['request'].tolist()) == [30, 31, 32, 40, 40, 41, 42]
     held = buf.arrays['tokens'][buf.arrays['request'] == 40]
     assert (held[:, 2:] == 0).all() or (held[:, 4:] == 0).all()  # prefixes only
-    batch = buf.sample(3, seed=0, update=1, step=0)
-    assert batch['tokens'].shape == (3, width) and batch['teacher'].shape == (3, width, vocab)
+    batch = buf.sample(3, per_row=4, seed=0, update=1, step=0)
+    assert batch['tokens'].shape == (3, width) and batch['teacher'].shape == (3, 4, vocab)
     assert batch['mask'].sum() >= 3  # request 40 brings its two entries in one row
+    a = buf.arrays
+    for i in range(3):  # every entry of the row's request, in position order, at its position
+        m = int(batch['mask'][i].sum())
+        assert not batch['mask'][i, m:].any() and (batch['teacher'][i, m:] == 0).all()
+
+        def holds(r, i=i, m=m):
+            idx = np.flatnonzero(a['request'] == r)
+            idx = idx[np.argsort(a['length'][idx])]
+            return (
+                len(idx) == m
+                and (a['tokens'][idx[-1]] == batch['tokens'][i]).all()
+                and (batch['at'][i, :m] == a['length'][idx] - 1).all()
+                and (batch['teacher'][i, :m] == a['logp'][idx]).all()
+            )
+
+        assert any(holds(r) for r in np.unique(a['request'][a['request'] >= 0]))
+    with pytest.raises(ValueError, match='per_row=1'):
+        buf.sample(3, per_row=1, seed=0, update=1, step=0)
     sel = select(
         np.array([[0.2, 0.9, 0.7]]), np.array([[True, True, False]]), wrong_below=0.5,
         right_fraction=1.0, seed=0, round_=0,
@@ -77,6 +100,40 @@ def test_buffer_is_bounded_fifo_and_sampled_rows_hold_every_entry():
     assert sel[0].tolist() == [0, 0] and sel[1].tolist() == [0, 1] and sel[2].tolist() == [1, 0]
     with pytest.raises(ValueError, match='wide'):
         buf.add(np.zeros((1, width + 1), np.int32), [0], [0], np.zeros((1, vocab)), [1], [0])
+
+
+@pytest.mark.parametrize('divergence', ['fkl', 'tvd'])
+def test_the_step_on_entries_equals_the_step_on_whole_rows(divergence, highest_precision):
+    """online_step runs the draft's output head and the divergence at the buffered entries only
+    ([N, E, V]); it makes the same update as draft_update over every position of the rows with
+    the entries' log-probs placed at their positions and the loss mask selecting them."""
+    width, vocab, n, e = 12, 7, 4, 5
+    model = make_model(tiny_config(vocab), seed=3, scale=3.0)
+    dgd, dparams = split(model)
+    buf = OnlineBuffer.empty(64, width, vocab)
+    rng = np.random.default_rng(1)
+    for r in range(3):
+        seq = rng.integers(1, vocab, (4, width)).astype(np.int32)
+        rows, cols = np.nonzero(rng.random((4, width - 1)) < 0.3)
+        logp = np.log(rng.dirichlet(np.ones(vocab), len(rows))).astype(np.float32)
+        buf.add(seq, rows, cols, logp, np.ones(len(rows), bool), 4 * r + rows)
+    b = buf.sample(n, per_row=e, seed=0, update=0, step=0)
+    dense = np.zeros((n, width, vocab), np.float32)
+    dense_mask = np.zeros((n, width - 1), bool)
+    for i, j in zip(*np.nonzero(b['mask']), strict=True):
+        dense[i, b['at'][i, j]] = b['teacher'][i, j]
+        dense_mask[i, b['at'][i, j]] = True
+    assert dense_mask.sum() == b['mask'].sum() > n
+    tx, loss = optax.adam(0.05), LossSettings(divergence=divergence)
+    state = TrainState(jnp.int32(0), dparams, tx.init(dparams), jax.random.PRNGKey(0))
+    step = jax.jit(functools.partial(online_step, dgd, tx=tx, loss=loss))
+    new, metrics = step(state, b['tokens'], b['length'], b['at'], b['mask'], b['teacher'])
+    whole = rows_batch(b['tokens'], b['length'], None, dense_mask)
+    whole.pop('logits_at')
+    update = jax.jit(functools.partial(draft_update, dgd, tx=tx, loss=loss))
+    params, _, want = update(dparams, tx.init(dparams), dense, whole)
+    np.testing.assert_allclose(metrics['loss'], want['loss'], rtol=1e-5)
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, atol=1e-6), new.params, params)
 
 
 # ---------------------------------------------------------------- exactness across an update
@@ -108,16 +165,17 @@ def _online_update(out, steps=12):
     program = rescore_program(tgd, dgd, SAMPLING, mesh, True, served=True)
     served = (out.tokens[:64], out.lengths[:64], out.target_logprobs[:64])
     rescore = lambda params: jax.device_get(program(tparams, params, prompts, lengths, *served))
-    seq, mask, alpha, logp = rescore(dparams)
+    seq, mask, alpha, _ = rescore(dparams)
     rows, cols, wrong = select(alpha, mask, wrong_below=0.5, right_fraction=0.2, seed=0, round_=0)
     buf = OnlineBuffer.empty(256, seq.shape[1], V)
-    buf.add(seq, rows, cols, logp[rows, cols], wrong, rows)
+    logp = served_entries(out.target_logprobs[:64], lengths, rows, cols)
+    buf.add(seq, rows, cols, np.asarray(logp), wrong, rows)
     tx = optax.adam(0.03)
     state = TrainState(jnp.int32(0), dparams, tx.init(dparams), jax.random.PRNGKey(0))
     step = jax.jit(functools.partial(online_step, dgd, tx=tx, loss=LossSettings()))
     for s in range(steps):
-        b = buf.sample(8, seed=0, update=0, step=s)
-        state, _ = step(state, b['tokens'], b['length'], b['mask'], b['teacher'])
+        b = buf.sample(8, per_row=NEW, seed=0, update=0, step=s)
+        state, _ = step(state, b['tokens'], b['length'], b['at'], b['mask'], b['teacher'])
     new_alpha = rescore(state.params)[2]
     return merge(dgd, state.params), float(alpha[mask].mean()), float(new_alpha[mask].mean())
 

@@ -5,7 +5,8 @@ log-softmax given the prompt and the tokens before it (specjax.sampling.verified
 against one uncached forward of the target over prompt + output, with fixed-width chains, with
 rows that propose fewer than k (stop_below: the narrower verification widths) and greedy; the
 tokens equal those of the same call without it. The online mode's draft-only scoring of served
-rows (rescore_program(..., served=True)) gives the alpha and log-probs of the target's forward.
+rows (rescore_program(..., served=True), served_entries) gives the alpha and log-probs of the
+target's forward.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from sampling_models import make_model, ragged_prompts, tiny_config
 
-from specjax.distill.online_update import rescore_program
+from specjax.distill.online_update import rescore_program, served_entries
 from specjax.distill.sources import assemble
 from specjax.models import apply, split
 from specjax.parallel import make_mesh
@@ -73,4 +74,7 @@ def test_draft_only_scoring_of_served_rows_equals_the_targets_forward():
     mask = ref[1]
     assert mask.sum() == int(np.sum(out.lengths))
     np.testing.assert_allclose(got[2][mask], ref[2][mask], atol=2e-5)
-    np.testing.assert_allclose(got[3][mask], ref[3][mask], atol=2e-5)
+    assert got[3] is None and (got[2][~mask] == 0).all()
+    rows, cols = np.nonzero(mask)
+    entries = served_entries(out.target_logprobs, lengths, rows, cols)
+    np.testing.assert_allclose(entries, ref[3][rows, cols], atol=2e-5)

@@ -99,12 +99,14 @@ class OnlineBuffer:
         a['written'] = np.asarray(self.written + m, np.int64)
         return m
 
-    def sample(self, n: int, *, seed: int, update: int, step: int) -> dict:
+    def sample(self, n: int, *, per_row: int, seed: int, update: int, step: int) -> dict:
         """A training batch of n rows: n requests drawn uniformly (without replacement when the
         buffer holds entries of n) from those with entries, by a seeded generator of (seed,
-        update, step); row i holds every entry of its request: the longest prefix as tokens
-        [n, L] (the others are its prefixes) with its length [n], a mask [n, L - 1] of the
-        entries' last positions and their log-probs there in teacher [n, L, V] (0 elsewhere)."""
+        update, step); row i holds every entry of its request (at most `per_row`, the most
+        tokens a request is served): the longest prefix as tokens [n, L] (the others are its
+        prefixes) with its length [n]; the entries' last positions in ascending order, at
+        int32 [n, per_row] (0 past them), mask bool [n, per_row] marking them, and their
+        log-probs teacher float32 [n, per_row, V] (0 past them)."""
         held = np.flatnonzero(self.arrays['request'] >= 0)
         if not len(held):
             raise ValueError('the online buffer is empty: nothing to sample')
@@ -115,17 +117,24 @@ class OnlineBuffer:
         out = {
             'tokens': np.full((n, self.width), PAD_ID, np.int32),
             'length': np.ones((n,), np.int32),
-            'mask': np.zeros((n, self.width - 1), bool),
-            'teacher': np.zeros((n, self.width, self.vocab), np.float32),
+            'at': np.zeros((n, per_row), np.int32),
+            'mask': np.zeros((n, per_row), bool),
+            'teacher': np.zeros((n, per_row, self.vocab), np.float32),
         }
         for i, request in enumerate(chosen):
             idx = held[a['request'][held] == request]
-            pos = a['length'][idx] - 1
-            longest = idx[np.argmax(pos)]
-            out['tokens'][i] = a['tokens'][longest]
-            out['length'][i] = a['length'][longest]
-            out['mask'][i, pos] = True
-            out['teacher'][i, pos] = a['logp'][idx]
+            idx = idx[np.argsort(a['length'][idx], kind='stable')]
+            if len(idx) > per_row:
+                raise ValueError(
+                    f'online buffer: request {request} holds {len(idx)} entries, more than '
+                    f'per_row={per_row} (the most tokens a request is served)'
+                )
+            m = len(idx)
+            out['tokens'][i] = a['tokens'][idx[-1]]
+            out['length'][i] = a['length'][idx[-1]]
+            out['at'][i, :m] = a['length'][idx] - 1
+            out['mask'][i, :m] = True
+            out['teacher'][i, :m] = a['logp'][idx]
         return out
 
     def counts(self) -> dict:

@@ -43,6 +43,7 @@ from specjax.distill.online_update import (
     jit_online_step,
     loss_settings,
     rescore_program,
+    served_entries,
 )
 from specjax.jsonio import to_json
 from specjax.models import split
@@ -103,6 +104,7 @@ class OnlineRun:
     def __init__(self, config, settings, workdir, tok, pre):
         self.config, self.settings, self.workdir = config, settings, workdir
         self.stream_cfg, self.o = config.stream, config.online
+        self._per_row = int(config.stream.max_new_tokens)  # the most entries of one request
         self.seed = int(config.seed)
         self.seconds = {}
         self.mesh = make_mesh(config.mesh)
@@ -231,11 +233,11 @@ class OnlineRun:
             jax.block_until_ready(self.rescore[arm, learn](
                 self.tparams, params, prompts, lengths, out.tokens, out.lengths, *served
             ))  # fmt: skip
-        n, width = int(self.o.batch_size), self.settings.width
+        n, width, e = int(self.o.batch_size), self.settings.width, self._per_row
         dummy = self._place(
             {'tokens': np.zeros((n, width), np.int32), 'length': np.ones((n,), np.int32),
-             'mask': np.zeros((n, width - 1), bool),
-             'teacher': np.zeros((n, width, self.tgd_vocab), np.float32)}
+             'at': np.zeros((n, e), np.int32), 'mask': np.zeros((n, e), bool),
+             'teacher': np.zeros((n, e, self.tgd_vocab), np.float32)}
         )  # fmt: skip
         copy = jax.tree.map(jnp.copy, state)
         jax.block_until_ready(self.step_fn(copy, *dummy))
@@ -255,7 +257,7 @@ class OnlineRun:
         """Scores the online arm's served rows with the draft (the target's log-probs came
         with them) and adds entries -> (alpha, mask)."""
         w0, c0 = time.perf_counter(), time.process_time()
-        seq, mask, alpha, logp = jax.device_get(self.rescore['online', True](
+        seq, mask, alpha, _ = jax.device_get(self.rescore['online', True](
             self.tparams, params, prompts, lengths, out.tokens, out.lengths, out.target_logprobs
         ))  # fmt: skip
         rows, cols, wrong = select(
@@ -263,7 +265,8 @@ class OnlineRun:
             right_fraction=float(self.o.right_fraction), seed=self.seed, round_=r,
         )  # fmt: skip
         b = int(self.stream_cfg.batch_size)
-        buffer.add(seq, rows, cols, logp[rows, cols], wrong, r * b + rows)
+        logp = jax.device_get(served_entries(out.target_logprobs, lengths, rows, cols))
+        buffer.add(seq, rows, cols, logp, wrong, r * b + rows)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         acc.update(
             update_cpu_s=acc['update_cpu_s'] + cpu, update_wall_s=acc['update_wall_s'] + wall,
@@ -275,8 +278,9 @@ class OnlineRun:
     def _update(self, acc, state, buffer, update: int):
         """config.online.steps distillation steps on the buffer -> the new state."""
         w0, c0 = time.perf_counter(), time.process_time()
+        n, e = int(self.o.batch_size), self._per_row
         for step in range(int(self.o.steps)):
-            batch = buffer.sample(int(self.o.batch_size), seed=self.seed, update=update, step=step)
+            batch = buffer.sample(n, per_row=e, seed=self.seed, update=update, step=step)
             state, _ = self.step_fn(state, *self._place(batch))
         jax.block_until_ready(state)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0

@@ -14,6 +14,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import optax
 
 from specjax.distill.divergences import distill_loss, get_divergence
@@ -64,26 +65,40 @@ class CotrainState:
 
 
 def forward(graphdef, params, batch):
-    return apply(graphdef, params, batch['tokens'], batch['positions'], batch['segment_ids'])
+    """The model's logits for a step's batch: [B, T, V], or [B, E, V] at batch['logits_at']."""
+    return apply(
+        graphdef, params, batch['tokens'], batch['positions'], batch['segment_ids'],
+        logits_at=batch.get('logits_at'),
+    )  # fmt: skip
 
 
-def draft_loss(graphdef, params, teacher_logits_BTV, batch, loss: LossSettings):
-    """Distillation loss of the draft against fixed teacher logits [B, T, V] -> (loss, metrics)."""
+def draft_loss(graphdef, params, teacher_logits, batch, loss: LossSettings):
+    """Distillation loss of the draft against fixed teacher logits -> (loss, metrics).
+
+    Every position but the last: teacher [B, T, V], masks [B, T - 1] (position t predicts token
+    t + 1). With batch['logits_at'] int32 [B, E] only those positions: teacher [B, E, V] and
+    masks [B, E], the draft's output head run on E rows (the online buffer's entries).
+    """
     logits = forward(graphdef, params, batch)
+    tokens, at = batch['tokens'], batch.get('logits_at')
+    if at is None:
+        logits, targets = logits[:, :-1], tokens[:, 1:]
+        teacher_logits = None if teacher_logits is None else teacher_logits[:, :-1]
+    else:
+        targets = jnp.take_along_axis(tokens, jnp.minimum(at + 1, tokens.shape[1] - 1), axis=1)
     div_fn = get_divergence(loss.divergence, beta=loss.beta, block_size=loss.block_size)
-    total, metrics = distill_loss(
+    return distill_loss(
         div_fn,
-        None if teacher_logits_BTV is None else teacher_logits_BTV[:, :-1],
-        logits[:, :-1],
+        teacher_logits,
+        logits,
         batch['loss_mask'],
         temperature=loss.temperature,
         scale_by_t2=loss.scale_by_t2,
         kd_weight=loss.kd_weight,
         ce_weight=loss.ce_weight,
-        ce_targets_BT=batch['tokens'][:, 1:],
+        ce_targets_BT=targets,
         ce_mask_BT=batch['ce_mask'],
     )
-    return total, metrics
 
 
 def _update(params, opt_state, grads, tx):
@@ -91,10 +106,11 @@ def _update(params, opt_state, grads, tx):
     return optax.apply_updates(params, updates), opt_state
 
 
-def draft_update(graphdef, params, opt_state, teacher_logits_BTV, batch, *, tx, loss):
-    """One optimizer step of the draft toward teacher logits -> (params, opt_state, metrics)."""
+def draft_update(graphdef, params, opt_state, teacher_logits, batch, *, tx, loss):
+    """One optimizer step of the draft toward teacher logits (draft_loss's layouts) ->
+    (params, opt_state, metrics)."""
     grad_fn = jax.value_and_grad(functools.partial(draft_loss, graphdef), has_aux=True)
-    (_, metrics), grads = grad_fn(params, jax.lax.stop_gradient(teacher_logits_BTV), batch, loss)
+    (_, metrics), grads = grad_fn(params, jax.lax.stop_gradient(teacher_logits), batch, loss)
     params, opt_state = _update(params, opt_state, grads, tx)
     metrics['grad_norm'] = optax.tree.norm(grads)
     return params, opt_state, metrics

@@ -37,13 +37,18 @@ def _abstract_model(cfg):
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
-def apply(graphdef, params, tokens, positions=None, segment_ids=None, *, feature_layers=()):
+def apply(
+    graphdef, params, tokens, positions=None, segment_ids=None, *, feature_layers=(),
+    logits_at=None,
+):  # fmt: skip
     """Uncached forward: int32 [B, T] -> float32 logits [B, T, V]; with feature_layers (static
-    block indices) -> (logits, features [B, T, n, E]) (Transformer.__call__)."""
+    block indices) -> (logits, features [B, T, n, E]); with logits_at int32 [B, E] the logits of
+    those positions only, [B, E, V] (Transformer.__call__)."""
     model = merge(graphdef, params)
     return model(
-        tokens, positions=positions, segment_ids=segment_ids, feature_layers=feature_layers
-    )
+        tokens, positions=positions, segment_ids=segment_ids, feature_layers=feature_layers,
+        logits_at=logits_at,
+    )  # fmt: skip
 
 
 def apply_cached(

@@ -136,8 +136,12 @@ class Transformer(nnx.Module):
         w = self.lm_head[...].astype(self.config.dtype)
         return jnp.einsum('bte,ev->btv', x, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, positions=None, segment_ids=None, *, feature_layers=()):
-        """tokens int32 [B, T] -> logits float32 [B, T, V].
+    def __call__(
+        self, tokens, positions=None, segment_ids=None, *, feature_layers=(), logits_at=None
+    ):
+        """tokens int32 [B, T] -> logits float32 [B, T, V]; with logits_at int32 [B, E] (indices
+        into T) -> logits [B, E, V] of those positions only (the output head, the widest matrix
+        of a small-vocabulary draft's step, runs on E rows instead of T).
 
         Causal; with segment_ids [B, T] (0 = padding) attention is block-diagonal, so packed
         documents never see each other. positions default to 0..T-1 per row. With
@@ -159,6 +163,8 @@ class Transformer(nnx.Module):
         x, _, features = self._run_blocks(
             self._embed(tokens), positions, mask, None, feature_layers
         )
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
         return (self._logits(x), features) if feature_layers else self._logits(x)
 
     def decode(
