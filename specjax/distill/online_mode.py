@@ -265,7 +265,7 @@ class OnlineRun:
             right_fraction=float(self.o.right_fraction), seed=self.seed, round_=r,
         )  # fmt: skip
         b = int(self.stream_cfg.batch_size)
-        logp = jax.device_get(served_entries(out.target_logprobs, lengths, rows, cols))
+        logp = served_entries(out.target_logprobs, lengths, rows, cols)
         buffer.add(seq, rows, cols, logp, wrong, r * b + rows)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         acc.update(

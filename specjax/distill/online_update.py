@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.distill.sources import assemble
 from specjax.distill.steps import LossSettings, draft_update
@@ -69,12 +70,13 @@ def _served_positions(prompt_lengths_B, n: int):
     return jnp.asarray(prompt_lengths_B, jnp.int32)[:, None] - 1 + jnp.arange(n)[None]
 
 
-def served_entries(served_logp_BNV, prompt_lengths_B, rows_M, cols_M):
+def served_entries(served_logp_BNV, prompt_lengths_B, rows_M, cols_M) -> np.ndarray:
     """The sampler's log-probs (SampleOutput.target_logprobs [B, N, V]) at M positions of the
-    scored rows (rows, cols: `select`'s, position cols predicting token cols + 1) -> [M, V]."""
-    rows = jnp.asarray(rows_M, jnp.int32)
-    j = jnp.asarray(cols_M, jnp.int32) - (jnp.asarray(prompt_lengths_B, jnp.int32)[rows] - 1)
-    return jnp.asarray(served_logp_BNV)[rows, j]
+    scored rows (rows, cols: `select`'s, position cols predicting token cols + 1) -> float32
+    [M, V], gathered on the host (M changes every round: no program per M)."""
+    rows = np.asarray(rows_M, np.int64)
+    j = np.asarray(cols_M, np.int64) - (np.asarray(prompt_lengths_B, np.int64)[rows] - 1)
+    return np.asarray(served_logp_BNV)[rows, j]
 
 
 @functools.lru_cache(maxsize=16)
