@@ -38,12 +38,18 @@ def parser():
     p.add_argument(
         '--variants',
         default='4:1,8:1,8:2,8:1:0/4/8',
-        help="specjax's chains as k:min_n[:proposals after a 1/2/.../max_n-gram match], "
-        'comma-separated (NGramDraft.proposals_by_n; 8:1:0/4/8 proposes none after a 1-gram '
-        'match, 4 after a 2-gram one, 8 after a 3-gram one)',
+        help="specjax's chains as k:min_n[:proposals after a 1/2/.../n-gram match], "
+        'comma-separated (NGramDraft.proposals_by_n, whose length is the longest n matched, '
+        'else --max_n; 8:1:0/4/8 proposes none after a 1-gram match, 4 after a 2-gram one, 8 '
+        'after a 3-gram one)',
     )
     p.add_argument('--branches', default=2, type=int, help='chains of the tree (0: no tree)')
-    p.add_argument('--max_n', default=3, type=int, help='longest n-gram matched (both systems)')
+    p.add_argument(
+        '--max_n',
+        default=3,
+        type=int,
+        help="longest n-gram matched (transformers; specjax's variants without a table)",
+    )
     p.add_argument('--hf_tokens', default=4, type=int, help='prompt_lookup_num_tokens')
     p.add_argument('--max_new_tokens', default=96, type=int, help='tokens per prompt')
     p.add_argument('--sampling', default='greedy,t1', help='greedy and/or t1')
@@ -182,7 +188,7 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
                 fn = make_tree_speculative_fn(tgd, draft, tree=tree, max_new_tokens=new, sampling=s)
                 params = [tparams, ()]
             else:
-                draft = NGramDraft(args.max_n, k[1], k[2])
+                draft = NGramDraft(len(k[2]) or args.max_n, k[1], k[2])
                 fn = make_speculative_fn(tgd, draft, num_draft_tokens=k[0], max_new_tokens=new,
                                          sampling=s)  # fmt: skip
                 params = [tparams, ()]
