@@ -14,12 +14,18 @@ methods (a drift in the host's speed moves every method alike). Prints one table
 
   python -m benchmarks.prompt_lookup                       # both systems, ~20 minutes
   python -m benchmarks.prompt_lookup --sampling=greedy --branches=0 --repeats=2  # ~8 minutes
+
+With --short_new=N each specjax method also decodes N tokens, timed in turn with the rest: the
+difference from the full run is the decoding cost without the prefill, per token, per round (a
+target call) and a round in plain decoding steps (a second table and the rows' decode_* fields;
+a variant proposing nothing, e.g. 4:1:0/0/0, measures the chain loop's own cost at width 1).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import json
 import os
 import textwrap
@@ -52,6 +58,13 @@ def parser():
     )
     p.add_argument('--hf_tokens', default=4, type=int, help='prompt_lookup_num_tokens')
     p.add_argument('--max_new_tokens', default=96, type=int, help='tokens per prompt')
+    p.add_argument(
+        '--short_new',
+        default=0,
+        type=int,
+        help="also run specjax's methods for this many tokens, in turn with the others: the "
+        'difference gives the decoding cost per token and per round without the prefill (0: off)',
+    )
     p.add_argument('--sampling', default='greedy,t1', help='greedy and/or t1')
     p.add_argument('--prompts', default=4, type=int, help='prompts per domain')
     p.add_argument(
@@ -177,37 +190,39 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
         toks[0, : len(ids)] = ids
         batches.append((toks, np.asarray([len(ids)], np.int32)))
     jobs, keys = [], []
-    for label in settings:
+    for n, label, (method, k) in itertools.product(
+        (new, args.short_new) if args.short_new else (new,), settings, methods
+    ):
         s = sampling[label]
-        for method, k in methods:
-            if k is None:
-                fn, params = make_autoregressive_fn(tgd, max_new_tokens=new, sampling=s), [tparams]
-            elif k[0] == 'tree':
-                tree = ngram_tree_paths(args.branches, k[1])
-                draft = NGramDraft(args.max_n, k[2])
-                fn = make_tree_speculative_fn(tgd, draft, tree=tree, max_new_tokens=new, sampling=s)
-                params = [tparams, ()]
-            else:
-                draft = NGramDraft(len(k[2]) or args.max_n, k[1], k[2])
-                fn = make_speculative_fn(tgd, draft, num_draft_tokens=k[0], max_new_tokens=new,
-                                         sampling=s)  # fmt: skip
-                params = [tparams, ()]
-            jobs.append((fn, params, *batches[0], jax.random.key(0)))
-            keys.append((method, label, params))
+        if k is None:
+            fn, params = make_autoregressive_fn(tgd, max_new_tokens=n, sampling=s), [tparams]
+        elif k[0] == 'tree':
+            tree = ngram_tree_paths(args.branches, k[1])
+            draft = NGramDraft(args.max_n, k[2])
+            fn = make_tree_speculative_fn(tgd, draft, tree=tree, max_new_tokens=n, sampling=s)
+            params = [tparams, ()]
+        else:
+            draft = NGramDraft(len(k[2]) or args.max_n, k[1], k[2])
+            fn = make_speculative_fn(tgd, draft, num_draft_tokens=k[0], max_new_tokens=n,
+                                     sampling=s)  # fmt: skip
+            params = [tparams, ()]
+        jobs.append((fn, params, *batches[0], jax.random.key(0)))
+        keys.append((method, label, params, () if n == new else ('short',)))
     started = time.perf_counter()
     compiled = compile_samplers(jobs)
     print(f'specjax: compiled {len(jobs)} programs in {time.perf_counter() - started:.0f} s')
     results = {}
-    for c, (_, _, params) in zip(compiled, keys, strict=True):
+    for c, (_, _, params, _) in zip(compiled, keys, strict=True):
         jax.block_until_ready(c(*params, *batches[0], jax.random.key(1)))  # warm-up
     for repeat in range(args.repeats):  # interleaved: every method per prompt per repeat
         for i, (toks, lens) in enumerate(batches):
-            for c, (method, label, params) in zip(compiled, keys, strict=True):
+            for c, (method, label, params, short) in zip(compiled, keys, strict=True):
                 start = time.perf_counter()
                 out = jax.block_until_ready(c(*params, toks, lens, jax.random.key(i)))
-                calls = int(out.stats['target_calls']) - 1 if method != 'plain' else new
-                _record(results, ('specjax', method, label, i), time.perf_counter() - start,
-                        np.asarray(out.tokens[0]), calls)  # fmt: skip
+                n = args.short_new if short else new
+                calls = int(out.stats['target_calls']) - 1 if method != 'plain' else n
+                _record(results, ('specjax', method, label, i, *short),
+                        time.perf_counter() - start, np.asarray(out.tokens[0]), calls)  # fmt: skip
         print(f'specjax repeat {repeat} done', flush=True)
     return results
 
@@ -245,6 +260,41 @@ def summarise(results, items, new) -> list[dict]:
     return rows
 
 
+def add_decode_costs(rows, results, items, new: int, short: int) -> None:
+    """Adds to each specjax row the decoding cost without the prefill, from the runs of `new`
+    and `short` tokens: ms per token, ms per target call (a round), and a round in plain decoding
+    steps (ms per round over the plain method's ms per token, same sampling and domain)."""
+    for row in rows:
+        if row['system'] != 'specjax':
+            continue
+        idx = [i for i, (d, _) in enumerate(items) if d == row['domain']]
+        keys = [('specjax', row['method'], row['sampling'], i) for i in idx]
+        dt = sum(results[k]['seconds'] - results[(*k, 'short')]['seconds'] for k in keys)
+        calls = sum(results[k]['target_calls'] - results[(*k, 'short')]['target_calls']
+                    for k in keys)  # fmt: skip
+        row['decode_ms_per_token'] = 1e3 * dt / ((new - short) * len(idx))
+        row['decode_ms_per_round'] = 1e3 * dt / max(calls, 1)
+    plain = {(r['sampling'], r['domain']): r['decode_ms_per_token'] for r in rows
+             if r['system'] == 'specjax' and r['method'] == 'plain'}  # fmt: skip
+    for row in rows:
+        if 'decode_ms_per_round' in row:
+            step = plain[(row['sampling'], row['domain'])]
+            row['round_in_plain_steps'] = row['decode_ms_per_round'] / step
+
+
+def decode_table(rows) -> str:
+    lines = ['| method | sampling | domain | decode ms/token | ms/round | round in plain steps |',
+             '|---|---|---|---|---|---|']  # fmt: skip
+    for r in rows:
+        if 'decode_ms_per_round' in r:
+            lines.append(
+                f'| {r["method"]} | {r["sampling"]} | {r["domain"]} | '
+                f'{r["decode_ms_per_token"]:.1f} | {r["decode_ms_per_round"]:.1f} | '
+                f'{r["round_in_plain_steps"]:.2f} |'
+            )
+    return '\n'.join(lines)
+
+
 def table(rows) -> str:
     lines = ['| system | method | sampling | domain | tokens/s | tau | speedup over its plain |',
              '|---|---|---|---|---|---|---|']  # fmt: skip
@@ -258,6 +308,9 @@ def table(rows) -> str:
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.short_new and not 0 < args.short_new < args.max_new_tokens:
+        raise SystemExit(f'--short_new={args.short_new} must be 0 (off) or in [1, --max_new_tokens='
+                         f'{args.max_new_tokens})')  # fmt: skip
     cli.setup_cache(args)
     from specjax.interop.gguf import import_gguf
     from specjax.interop.workdir import bundled_path
@@ -276,10 +329,14 @@ def main(argv=None):
         results.update(run_transformers(path, ids_list, args.max_new_tokens, args, settings))
     rows = summarise(results, items, args.max_new_tokens)
     print(table(rows))
+    if args.short_new and 'specjax' in systems:
+        add_decode_costs(rows, results, items, args.max_new_tokens, args.short_new)
+        print(decode_table(rows))
     result = dict(
         model='SmolLM2-135M-Instruct.Q4_1.gguf (float32)', batch=1,
         max_new_tokens=args.max_new_tokens, variants=args.variants, max_n=args.max_n,
         hf_prompt_lookup_num_tokens=args.hf_tokens, branches=args.branches,
+        short_new=args.short_new,
         prompts=[[d, copy.deepcopy(x)] for d, x in items], prompt_tokens=list(map(len, ids_list)),
         repeats=args.repeats, rows=rows, wall_s=time.perf_counter() - started,
         cpu_count=os.cpu_count(),
