@@ -207,7 +207,7 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
                                      sampling=s)  # fmt: skip
             params = [tparams, ()]
         jobs.append((fn, params, *batches[0], jax.random.key(0)))
-        keys.append((method, label, params, () if n == new else ('short',)))
+        keys.append((method, label, params, n))
     started = time.perf_counter()
     compiled = compile_samplers(jobs)
     print(f'specjax: compiled {len(jobs)} programs in {time.perf_counter() - started:.0f} s')
@@ -216,11 +216,11 @@ def run_specjax(target, ids_list, new, args, settings) -> dict:
         jax.block_until_ready(c(*params, *batches[0], jax.random.key(1)))  # warm-up
     for repeat in range(args.repeats):  # interleaved: every method per prompt per repeat
         for i, (toks, lens) in enumerate(batches):
-            for c, (method, label, params, short) in zip(compiled, keys, strict=True):
+            for c, (method, label, params, n) in zip(compiled, keys, strict=True):
                 start = time.perf_counter()
                 out = jax.block_until_ready(c(*params, toks, lens, jax.random.key(i)))
-                n = args.short_new if short else new
                 calls = int(out.stats['target_calls']) - 1 if method != 'plain' else n
+                short = () if n == new else ('short',)  # the --short_new run's key
                 _record(results, ('specjax', method, label, i, *short),
                         time.perf_counter() - start, np.asarray(out.tokens[0]), calls)  # fmt: skip
         print(f'specjax repeat {repeat} done', flush=True)
