@@ -3,11 +3,12 @@
 from specjax.models.config import TransformerConfig
 from specjax.models.feature_draft import FeatureDraft, FeatureDraftConfig
 from specjax.models.functional import abstract_model, apply, apply_cached, merge, split
-from specjax.models.kv_cache import KVCache, check_capacity, init_cache
+from specjax.models.kv_cache import DECODE_COMPILER_OPTIONS, KVCache, check_capacity, init_cache
 from specjax.models.layout import stack_layers, to_layout, unstack_layers
 from specjax.models.transformer import Transformer
 
 __all__ = [
+    'DECODE_COMPILER_OPTIONS',
     'FeatureDraft',
     'FeatureDraftConfig',
     'KVCache',

@@ -55,8 +55,9 @@ class Eagle3FirstLayer(nnx.Module):
         self.norm_before_residual = bool(norm_before_residual)
 
     def __call__(self, emb_BTE, f_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
-        """-> (out [B, T, E], (k, v)); with (k, v) caches writes at lengths_B and attends over
-        them (mask [B, T, capacity]), else attends within the T positions (mask [B, T, T])."""
+        """-> (out [B, T, E], this call's (k, v) entries); with (k, v) caches attends over them
+        and the entries as if written at lengths_B (mask [B, T, capacity]; Attention), else
+        within the T positions (mask [B, T, T])."""
         h = self.hidden_norm(f_BTE)
         residual = h if self.norm_before_residual else f_BTE
         x = jnp.concatenate([self.input_norm(emb_BTE), h], -1)

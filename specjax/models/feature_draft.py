@@ -174,7 +174,8 @@ class FeatureDraft(nnx.Module):
         return x @ self.fuse[...].astype(x.dtype)
 
     def _layers(self, tokens_BT, features_BTE, positions, mask, kvs=None, lengths=None):
-        """All layers -> (output state [B, T, E], per-layer (k, v) list)."""
+        """All layers -> (output state [B, T, E], per-layer (k, v) list: this call's entries;
+        `kvs`, the caches, are only read)."""
         dtype = self.config.target.dtype
         emb = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
         kvs = kvs or [None] * self.config.n_layers
@@ -234,8 +235,8 @@ class FeatureDraft(nnx.Module):
         kvs = list(zip(cache.k, cache.v))
         x, kvs = self._layers(tokens, features, positions, mask, kvs, cache.lengths)
         ks, vs = zip(*kvs)
-        lengths = cache.lengths + jnp.asarray(num_valid, jnp.int32)
-        return self._head(x), x, kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        new = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+        return self._head(x), x, kvc.write_entries(cache, new, num_valid)
 
 
 def from_target(target, config: FeatureDraftConfig, *, rngs: nnx.Rngs) -> FeatureDraft:

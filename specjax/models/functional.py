@@ -61,11 +61,15 @@ def apply_cached(
     mask=None,
     *,
     feature_layers=(),
+    write=True,
 ):
     """Cached forward: (tokens [B, T], num_valid [B], cache) -> (logits [B, T, V], cache), with
     feature_layers -> (logits, cache, features [B, T, n, E]) (Transformer.decode).
 
-    positions [B, T] / mask [B, T, capacity] override the defaults (token trees).
+    positions [B, T] / mask [B, T, capacity] override the defaults (token trees); write=False
+    returns the call's new entries in place of the cache (Transformer.decode).
     """
     model = merge(graphdef, params)
-    return model.decode(tokens, num_valid, cache, positions, mask, feature_layers=feature_layers)
+    return model.decode(
+        tokens, num_valid, cache, positions, mask, feature_layers=feature_layers, write=write
+    )

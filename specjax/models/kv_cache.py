@@ -50,6 +50,13 @@ class KVCache:
         return (self.k if self.stacked else self.k[0]).shape[-4]
 
 
+# Compiler options for programs that decode in a loop (the samplers, calibration): XLA:CPU's copy
+# insertion with region analysis sees that a loop body which reads a layer's cache (attention over
+# the cache as it was: specjax.models.layers) and then updates it in place needs no copy; its
+# default analysis copies every layer's keys and values on every step. An XLA:CPU option, which
+# other backends do not read.
+DECODE_COMPILER_OPTIONS = {'xla_cpu_copy_insertion_use_region_analysis': True}
+
 K_CAPACITY_AXIS = 2  # of a layer's keys [B, K, capacity, D]
 V_CAPACITY_AXIS = 3  # of a layer's values [B, K, D, capacity]
 
@@ -97,28 +104,47 @@ def init_cache(
 
 
 def _scatter_rows(cache, new, lengths_B, axis: int):
-    """cache [B, ...] with each row's T entries of `new` (the same layout, T on `axis`) written
-    at positions lengths[b] + t of its capacity `axis` (an in-place scatter)."""
+    """cache [B, ...] with each row's T entries of `new` (the same layout, T on `axis`)
+    written at positions lengths[b] + t of its capacity `axis` (an in-place scatter)."""
     positions_BT = lengths_B[:, None] + jnp.arange(new.shape[axis], dtype=jnp.int32)[None, :]
     index = (slice(None),) * (axis - 1)
     update = lambda c, n, p: c.at[(*index, p)].set(n, unique_indices=True, indices_are_sorted=True)
     return jax.vmap(update)(cache, new.astype(cache.dtype), positions_BT)
 
 
-def write_keys(cache_BKCD, new_BTKD, lengths_B):
-    """Writes each row's T new keys at that row's length (keys are stored [B, K, C, D])."""
-    return _scatter_rows(cache_BKCD, jnp.transpose(new_BTKD, (0, 2, 1, 3)), lengths_B, 2)
+def write_entries(cache: KVCache, new: KVCache, num_valid_B) -> KVCache:
+    """`cache` with a cached call's new entries written and each row advanced by num_valid[b].
 
-
-def write_values(cache_BKDC, new_BTKD, lengths_B):
-    """Writes each row's T new values at that row's length (values are stored [B, K, D, C])."""
-    return _scatter_rows(cache_BKDC, jnp.transpose(new_BTKD, (0, 2, 3, 1)), lengths_B, 3)
+    `new` holds the T entries per layer in the cache's layout and dtype (a KVCache of capacity
+    T, either layout as `cache`'s); row b's go to positions lengths[b] + t.
+    """
+    write = lambda axis: lambda c, n: _scatter_rows(c, n, cache.lengths, axis)
+    if cache.stacked:
+        k = jax.vmap(write(K_CAPACITY_AXIS))(cache.k, new.k)
+        v = jax.vmap(write(V_CAPACITY_AXIS))(cache.v, new.v)
+    else:
+        k = tuple(map(write(K_CAPACITY_AXIS), cache.k, new.k))
+        v = tuple(map(write(V_CAPACITY_AXIS), cache.v, new.v))
+    return KVCache(k=k, v=v, lengths=cache.lengths + jnp.asarray(num_valid_B, jnp.int32))
 
 
 def cached_mask(lengths_B, num_new: int, capacity: int):
     """[B, T, capacity] mask: query t of row b (at position lengths[b] + t) sees keys j <= it."""
     query_pos = lengths_B[:, None] + jnp.arange(num_new)[None, :]
     return jnp.arange(capacity)[None, None, :] <= query_pos[:, :, None]
+
+
+def split_mask(mask_BTC, lengths_B, num_new: int):
+    """A cached call's mask [B, T, capacity] split into what its queries see of the cache as it
+    was (bool [B, T, capacity]: the T slots from each row's length, which this call overwrites,
+    hidden) and of its own new entries (bool [B, T, T]: the mask at slots lengths[b] + u)."""
+    b, t, capacity = mask_BTC.shape
+    slots_BU = lengths_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+    slot_C = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    overwritten_BC = (slot_C >= lengths_B[:, None]) & (slot_C < lengths_B[:, None] + num_new)
+    slots_BTU = jnp.broadcast_to(slots_BU[:, None, :], (b, t, num_new))
+    new_BTT = jnp.take_along_axis(mask_BTC, slots_BTU, axis=2)
+    return mask_BTC & ~overwritten_BC[:, None, :], new_BTT
 
 
 def gather_window(cache_B, starts_B, order_BW, axis: int):

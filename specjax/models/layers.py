@@ -74,22 +74,36 @@ def rope(x_BTHD, positions_BT, inv_freq):
     return (x * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x_BTHD.dtype)
 
 
-def attend(q_BTHD, k_BKSD, v_BKDS, mask_BTS):
+def _scores(q_BTKGD, k_BKSD, mask_BTS):
+    """Scaled scores float32 [B, K, G, T, S], masked-out keys at the most negative float."""
+    scores = jnp.einsum('btkgd,bksd->bkgts', q_BTKGD, k_BKSD, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q_BTKGD.shape[-1]))
+    return jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+
+
+def attend(q_BTHD, k_BKSD, v_BKDS, mask_BTS, new_kv=None):
     """Grouped-query attention of T queries over S keys; softmax in float32.
 
     H query heads share K = n_kv_heads key/value heads in groups of H // K; keys come as
     [B, K, S, D] and values as [B, K, D, S] (the KV cache's layout: each contraction reads its
-    operand with the contracted axis minor-most, in place). Masked-out keys get a large negative
-    score (a fully masked row yields a harmless uniform average, never NaN).
+    operand with the contracted axis minor-most, in place). `new_kv` = (keys [B, K, U, D],
+    values [B, K, D, U], mask [B, T, U]) appends U more keys to the S, under one softmax: a
+    cached call attends over the cache as it was plus its own new entries, so the cache is read
+    before it is written (in a decode loop XLA then updates it in place, with no copy). Masked-out
+    keys get a large negative score (a fully masked row yields a harmless uniform average, never
+    NaN).
     """
     b, t, h, d = q_BTHD.shape
     kv = k_BKSD.shape[1]
     q = q_BTHD.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum('btkgd,bksd->bkgts', q, k_BKSD, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
-    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKDS.dtype)
-    out = jnp.einsum('bkgts,bkds->btkgd', probs, v_BKDS)
+    segments = [(k_BKSD, v_BKDS, mask_BTS)] + ([new_kv] if new_kv is not None else [])
+    scores = [_scores(q, k, mask) for k, _, mask in segments]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(v_BKDS.dtype)
+    splits = np.cumsum([s.shape[-1] for s in scores])[:-1]
+    out = sum(
+        jnp.einsum('bkgts,bkds->btkgd', p, v)
+        for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), segments)
+    )
     return out.reshape(b, t, h, d)
 
 
@@ -124,16 +138,25 @@ class Attention(nnx.Module):
         return jnp.einsum('btf,fe->bte', out_BTHD.reshape(b, t, h * d), w_FE)
 
     def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
-        """-> (output [B, T, E], (k, v)). Without cache_kv attends within the T tokens; with
-        (k, v) caches writes this call's keys and values at lengths_B and attends over them."""
+        """-> (output [B, T, E], this call's keys [B, K, T, D] and values [B, K, D, T]).
+
+        Without cache_kv attends within the T tokens. With one layer's (k, v) caches attends over
+        the cache as it is and this call's entries (rounded to the cache's dtype, as it will store
+        them) as if written at lengths_B; it does not write them: the model writes every layer's
+        entries after reading (specjax.models.kv_cache.write_entries), so a decode loop updates
+        the cache in place.
+        """
         q, k_BTKD, v_BTKD = self.project_qkv(x_BTE, positions_BT)
+        k_BKTD = jnp.transpose(k_BTKD, (0, 2, 1, 3))  # the cache's heads-major layout
+        v_BKDT = jnp.transpose(v_BTKD, (0, 2, 3, 1))  # (specjax.models.kv_cache)
         if cache_kv is None:
-            k = jnp.transpose(k_BTKD, (0, 2, 1, 3))  # [B, K, T, D]
-            v = jnp.transpose(v_BTKD, (0, 2, 3, 1))  # [B, K, D, T]
-        else:  # the cache's heads-major layout (specjax.models.kv_cache)
-            k = kvc.write_keys(cache_kv[0], k_BTKD, lengths_B)
-            v = kvc.write_values(cache_kv[1], v_BTKD, lengths_B)
-        return self.project_out(attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)), (k, v)
+            return self.project_out(attend(q, k_BKTD, v_BKDT, mask_BTS)), (k_BKTD, v_BKDT)
+        cache_k, cache_v = cache_kv
+        k_BKTD, v_BKDT = k_BKTD.astype(cache_k.dtype), v_BKDT.astype(cache_v.dtype)
+        old_mask_BTC, new_mask_BTT = kvc.split_mask(mask_BTS, lengths_B, k_BKTD.shape[2])
+        new_kv = (k_BKTD.astype(q.dtype), v_BKDT.astype(q.dtype), new_mask_BTT)
+        out = attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), old_mask_BTC, new_kv)
+        return self.project_out(out), (k_BKTD, v_BKDT)
 
 
 class SwiGLU(nnx.Module):

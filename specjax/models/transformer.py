@@ -22,7 +22,8 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x_BTE, positions_BT, mask_BTS, cache_kv=None, lengths_B=None):
-        """Without cache_kv, attends within the T tokens; with (k, v) caches, writes and attends."""
+        """Without cache_kv, attends within the T tokens; with (k, v) caches, attends over them
+        and this call's entries -> (x, this call's (k, v) entries) (Attention)."""
         out, kv = self.attn(self.attn_norm(x_BTE), positions_BT, mask_BTS, cache_kv, lengths_B)
         x_BTE = x_BTE + out
         return x_BTE + self.mlp(self.mlp_norm(x_BTE)), kv
@@ -67,9 +68,10 @@ class Transformer(nnx.Module):
         return jnp.take(table_VE, tokens_BT, axis=0).astype(self.config.dtype)
 
     def _run_blocks(self, x_BTE, positions_BT, mask_BTS, cache=None, feature_layers=()):
-        """All blocks in order -> (x, (per-layer k tuple, per-layer v tuple) or None, features):
-        features [B, T, len(feature_layers), E], the output of each listed block (None when
-        none are listed: then nothing extra is computed or kept)."""
+        """All blocks in order -> (x, this call's entries (per-layer k tuple, per-layer v tuple;
+        stacked arrays for scan_layers) or None without a cache, features): features [B, T,
+        len(feature_layers), E], the output of each listed block (None when none are listed:
+        then nothing extra is computed or kept). The cache is only read."""
         if self.config.scan_layers:
             return self._scan_blocks(x_BTE, positions_BT, mask_BTS, cache, feature_layers)
         lengths = None if cache is None else cache.lengths
@@ -85,11 +87,10 @@ class Transformer(nnx.Module):
     def _scan_blocks(self, x_BTE, positions_BT, mask_BTS, cache, feature_layers=()):
         """The stacked blocks as one `lax.scan` body over their leading layer axis.
 
-        The cache is stacked too (a leading n_layers axis, `init_cache` for this config)
-        and rides in the scan's carry: layer i reads its slice and writes it back at i, an
-        in-place update of the loop state (no copy of the whole cache per call). Features: the
-        scan also emits every layer's output [n_layers, B, T, E] (only when asked), then the
-        listed layers are taken from it.
+        The cache is stacked too (a leading n_layers axis, `init_cache` for this config): layer
+        i reads its slice and the scan emits its new entries, stacked as the cache (the caller
+        writes them). Features: the scan also emits every layer's output [n_layers, B, T, E]
+        (only when asked), then the listed layers are taken from it.
         """
         graphdef, stacked = nnx.split(self.blocks)
         if cache is not None and not cache.stacked:
@@ -98,24 +99,20 @@ class Transformer(nnx.Module):
                 'build it with init_cache(config, ...)'
             )
         lengths = None if cache is None else cache.lengths
-        put = lambda a_L, a, i: jax.lax.dynamic_update_index_in_dim(a_L, a.astype(a_L.dtype), i, 0)
+        kv_L = None if cache is None else (cache.k, cache.v)
 
-        def body(carry, layer):
-            x, kv_L = carry
+        def body(x, layer):
             params, i = layer
             kv = None if kv_L is None else tuple(a_L[i] for a_L in kv_L)
-            x, kv = nnx.merge(graphdef, params)(x, positions_BT, mask_BTS, kv, lengths)
-            if kv_L is not None:
-                kv_L = tuple(put(a_L, a, i) for a_L, a in zip(kv_L, kv, strict=True))
-            return (x, kv_L), (x if feature_layers else None)
+            x, new_kv = nnx.merge(graphdef, params)(x, positions_BT, mask_BTS, kv, lengths)
+            return x, (x if feature_layers else None, None if kv_L is None else new_kv)
 
-        kv_L = None if cache is None else (cache.k, cache.v)
         layers = (stacked, jnp.arange(self.config.n_layers))
-        (x_BTE, kv_L), x_LBTE = jax.lax.scan(body, (x_BTE, kv_L), layers)
+        x_BTE, (x_LBTE, new_kv_L) = jax.lax.scan(body, x_BTE, layers)
         features = None
         if feature_layers:
             features = jnp.moveaxis(x_LBTE[jnp.asarray(feature_layers)], 0, 2)
-        return x_BTE, kv_L, features
+        return x_BTE, new_kv_L, features
 
     def _feature_layers(self, feature_layers) -> tuple[int, ...]:
         """The requested layers as a tuple of ints in [0, n_layers); ValueError otherwise."""
@@ -168,7 +165,15 @@ class Transformer(nnx.Module):
         return (self._logits(x), features) if feature_layers else self._logits(x)
 
     def decode(
-        self, tokens, num_valid, cache: kvc.KVCache, positions=None, mask=None, *, feature_layers=()
+        self,
+        tokens,
+        num_valid,
+        cache: kvc.KVCache,
+        positions=None,
+        mask=None,
+        *,
+        feature_layers=(),
+        write=True,
     ):
         """Cached call: tokens int32 [B, T], num_valid int32 [B] -> (logits [B, T, V], cache).
 
@@ -178,7 +183,10 @@ class Transformer(nnx.Module):
         pass positions int32 [B, T] (default: length + t) and mask bool [B, T, capacity] (default:
         causal over the cache) to score tree nodes with an ancestor-only mask. With
         feature_layers -> (logits, cache, features [B, T, n, E]) as in `__call__`: a
-        verification call returns the features of the positions it scored.
+        verification call returns the features of the positions it scored. With write=False the
+        cache is only read and, in its place, the call's T new entries come back (a KVCache of
+        capacity T, lengths the rows' lengths: `kv_cache.write_entries` writes them), so a call
+        picked by `lax.switch` leaves the write to one place after it.
         """
         feature_layers = self._feature_layers(feature_layers)
         b, t = tokens.shape
@@ -189,9 +197,9 @@ class Transformer(nnx.Module):
         x, (ks, vs), features = self._run_blocks(
             self._embed(tokens), positions, mask, cache, feature_layers
         )
-        new_cache = kvc.KVCache(
-            k=ks, v=vs, lengths=cache.lengths + jnp.asarray(num_valid, jnp.int32)
-        )
+        new_cache = kvc.KVCache(k=ks, v=vs, lengths=cache.lengths)
+        if write:
+            new_cache = kvc.write_entries(cache, new_cache, num_valid)
         if feature_layers:
             return self._logits(x), new_cache, features
         return self._logits(x), new_cache

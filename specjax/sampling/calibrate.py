@@ -25,7 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import Transformer, apply_cached, check_capacity, init_cache, merge, split
+from specjax.models import (
+    DECODE_COMPILER_OPTIONS,
+    Transformer,
+    apply_cached,
+    check_capacity,
+    init_cache,
+    merge,
+    split,
+)
 from specjax.sampling import aot, drafters
 from specjax.sampling import common as sampling_common
 from specjax.sampling.ngram import is_ngram
@@ -95,7 +103,7 @@ def _loop_fn(graphdef, iters: int):
 
         return jax.lax.fori_loop(0, iters, body, (tokens, cache))[0]
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=DECODE_COMPILER_OPTIONS)
 
 
 def timed_call(model, *, batch_size, num_tokens, context_len, capacity, iters, seed=0):

@@ -13,6 +13,7 @@ from flax import struct
 from flax.nnx import graphlib
 
 from specjax.models import (
+    DECODE_COMPILER_OPTIONS,
     FeatureDraftConfig,
     KVCache,
     TransformerConfig,
@@ -294,7 +295,10 @@ class ShardedSampler:
             shardings += (rep,) * self.takes_values
             pinned = functools.partial(_pinned_output, self.core, batch_spec, rep)
             self._program.update(
-                shardings=shardings, jitted=jax.jit(pinned, in_shardings=shardings)
+                shardings=shardings,
+                jitted=jax.jit(
+                    pinned, in_shardings=shardings, compiler_options=DECODE_COMPILER_OPTIONS
+                ),
             )
         return batch_spec
 

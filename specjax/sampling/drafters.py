@@ -95,13 +95,14 @@ def drafter_for(target_graphdef, draft_graphdef, who: str):
 
 
 def target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, feature_layers=(), positions=None,
-                mask=None):  # fmt: skip
+                mask=None, write=True):  # fmt: skip
     """The target's cached call -> (logits [B, T, V], cache, features [B, T, n, E] of the blocks
-    `feature_layers`, or None when none are read); positions / mask as apply_cached (trees)."""
+    `feature_layers`, or None when none are read); positions / mask / write as apply_cached
+    (trees; write=False: the new entries in place of the cache)."""
     args = (tgd, tparams, tokens_BT, num_valid_B, tcache, positions, mask)
     if not feature_layers:
-        return (*apply_cached(*args), None)
-    return apply_cached(*args, feature_layers=feature_layers)
+        return (*apply_cached(*args, write=write), None)
+    return apply_cached(*args, feature_layers=feature_layers, write=write)
 
 
 class _ModelDrafter:
@@ -123,11 +124,11 @@ class TokenDrafter(_ModelDrafter):
 
     feature_layers: tuple[int, ...] = ()
 
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None):
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None,
+                    write=True):  # fmt: skip
         """The target's cached call with the features this draft reads (`target_call`)."""
-        return target_call(
-            tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers, positions, mask
-        )
+        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers,
+                           positions, mask, write)  # fmt: skip
 
     def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
         """Consumes the prompt except its last token -> (cache, feed ())."""
@@ -187,11 +188,11 @@ class FeatureDrafter(_ModelDrafter):
 
     feature_layers: tuple[int, ...]
 
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None):
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None,
+                    write=True):  # fmt: skip
         """The target's cached call with the features this draft reads (`target_call`)."""
-        return target_call(
-            tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers, positions, mask
-        )
+        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers,
+                           positions, mask, write)  # fmt: skip
 
     def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
         """Consumes entries 0..P-2 of the prompt (tokens c_t, features f_{t-1}); entry P-1

@@ -191,9 +191,13 @@ class NGramDrafter:
     feature_layers: tuple[int, ...] = ()
     variable_length: bool = True  # rows propose m <= k tokens (verification width follows)
 
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None):
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None,
+                    write=True):  # fmt: skip
         """The target's cached call -> (logits, cache, None): no features are read."""
-        return (*apply_cached(tgd, tparams, tokens_BT, num_valid_B, tcache, positions, mask), None)
+        out = apply_cached(
+            tgd, tparams, tokens_BT, num_valid_B, tcache, positions, mask, write=write
+        )
+        return (*out, None)
 
     def new_cache(self, dgd, batch: int, capacity: int):
         del dgd, capacity

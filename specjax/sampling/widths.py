@@ -6,12 +6,16 @@ more (XLA:CPU's small matrix products), the round's target call is the narrowest
 `verify_widths(k)` that holds every active row's m + 1 positions, chosen by `lax.switch` inside
 the compiled loop (every width compiled once, only the chosen one runs). Positions past a row's m
 are never read (specjax.sampling.verify.stop_at), so the outputs are those of the full-width call.
+The branches only read the KV cache and return their new entries; one write after the switch
+stores them (a cache written inside a branch is copied there, every layer, every round).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from specjax.models import kv_cache as kvc
 
 
 def verify_widths(k: int) -> tuple[int, ...]:
@@ -36,13 +40,19 @@ def scored_call(drafter, tgd, tparams, tokens_BK1, m_B, active_B, tcache):
 
     def call(w):
         def run(cache):
-            logits, cache, features = drafter.target_call(tgd, tparams, tokens_BK1[:, :w], zeros,
-                                                          cache)  # fmt: skip
-            pad = lambda a: jnp.pad(a, ((0, 0), (0, k1 - w)) + ((0, 0),) * (a.ndim - 2))
-            return pad(logits), cache, None if features is None else pad(features)
+            logits, new, features = drafter.target_call(tgd, tparams, tokens_BK1[:, :w], zeros,
+                                                        cache, write=False)  # fmt: skip
+            pad = lambda a, axis: jnp.pad(a, [(0, k1 - w) if i == axis else (0, 0)
+                                              for i in range(a.ndim)])  # fmt: skip
+            new = kvc.map_layers(pad, new)  # the entries past w are never read
+            return pad(logits, 1), new, None if features is None else pad(features, 1)
 
         return run
 
     if len(widths) == 1:
-        return call(k1)(tcache)
-    return jax.lax.switch(jnp.minimum(index, len(widths) - 1), [call(w) for w in widths], tcache)
+        logits, new, features = call(k1)(tcache)
+    else:
+        branches = [call(w) for w in widths]
+        pick = jnp.minimum(index, len(widths) - 1)
+        logits, new, features = jax.lax.switch(pick, branches, tcache)
+    return logits, kvc.write_entries(tcache, new, zeros), features
