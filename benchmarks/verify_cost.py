@@ -59,7 +59,7 @@ def main(argv=None):
     cli.setup_cache(args)
     from specjax.interop.gguf import import_gguf
     from specjax.interop.workdir import bundled_path
-    from specjax.models import apply_cached, init_cache, split
+    from specjax.models import DECODE_COMPILER_OPTIONS, apply_cached, init_cache, split
     from specjax.sampling import NGramDraft
     from specjax.sampling.calibrate import calibrate
 
@@ -74,7 +74,9 @@ def main(argv=None):
     weights = {tuple(x.shape) for x in jax.tree.leaves(tparams) if x.ndim >= 2}
     cache_shape = (1, args.capacity, cfg.n_kv_heads, cfg.head_dim)
     call = jax.jit(
-        lambda p, t, c: apply_cached(tgd, p, t, jnp.zeros((1,), jnp.int32), c), donate_argnums=2
+        lambda p, t, c: apply_cached(tgd, p, t, jnp.zeros((1,), jnp.int32), c),
+        donate_argnums=2,
+        compiler_options=DECODE_COMPILER_OPTIONS,
     )
     ops = {}
     for k in (0, *args.ks):

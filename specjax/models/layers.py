@@ -74,37 +74,41 @@ def rope(x_BTHD, positions_BT, inv_freq):
     return (x * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x_BTHD.dtype)
 
 
-def _scores(q_BTKGD, k_BKSD, mask_BTS):
-    """Scaled scores float32 [B, K, G, T, S], masked-out keys at the most negative float."""
-    scores = jnp.einsum('btkgd,bksd->bkgts', q_BTKGD, k_BKSD, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(q_BTKGD.shape[-1]))
-    return jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+def _scores(q_BKMD, k_BKSD, mask_BMS):
+    """Scaled scores float32 [B, K, M, S] of M query rows, masked-out keys at the most negative
+    float (mask [B, M, S], shared by the K heads)."""
+    scores = jnp.einsum('bkmd,bksd->bkms', q_BKMD, k_BKSD, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q_BKMD.shape[-1]))
+    return jnp.where(mask_BMS[:, None], scores, jnp.finfo(jnp.float32).min)
 
 
 def attend(q_BTHD, k_BKSD, v_BKDS, mask_BTS, new_kv=None):
     """Grouped-query attention of T queries over S keys; softmax in float32.
 
-    H query heads share K = n_kv_heads key/value heads in groups of H // K; keys come as
-    [B, K, S, D] and values as [B, K, D, S] (the KV cache's layout: each contraction reads its
-    operand with the contracted axis minor-most, in place). `new_kv` = (keys [B, K, U, D],
-    values [B, K, D, U], mask [B, T, U]) appends U more keys to the S, under one softmax: a
-    cached call attends over the cache as it was plus its own new entries, so the cache is read
-    before it is written (in a decode loop XLA then updates it in place, with no copy). Masked-out
-    keys get a large negative score (a fully masked row yields a harmless uniform average, never
-    NaN).
+    H query heads share K = n_kv_heads key/value heads in groups of G = H // K; keys come as
+    [B, K, S, D] and values as [B, K, D, S] (the KV cache's layout), and each group's G x T
+    queries are one block of rows, so both contractions are plain batched products over (B, K)
+    with the contracted axis minor-most on both operands (XLA:CPU then transposes nothing).
+    `new_kv` = (keys [B, K, U, D], values [B, K, D, U], mask [B, T, U]) adds U more keys under
+    the same softmax: a cached call attends over the cache as it was plus its own new entries,
+    so the cache is read before it is written (in a decode loop XLA then updates it in place).
+    Masked-out keys get a large negative score (a fully masked row yields a harmless uniform
+    average, never NaN).
     """
     b, t, h, d = q_BTHD.shape
     kv = k_BKSD.shape[1]
-    q = q_BTHD.reshape(b, t, kv, h // kv, d)
+    g = h // kv
+    q = jnp.transpose(q_BTHD.reshape(b, t, kv, g, d), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, d)
+    rows = lambda mask_BTS: jnp.broadcast_to(mask_BTS[:, None], (b, g, *mask_BTS.shape[1:]))
     segments = [(k_BKSD, v_BKDS, mask_BTS)] + ([new_kv] if new_kv is not None else [])
-    scores = [_scores(q, k, mask) for k, _, mask in segments]
+    scores = [_scores(q, k, rows(m).reshape(b, g * t, -1)) for k, _, m in segments]
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(v_BKDS.dtype)
-    splits = np.cumsum([s.shape[-1] for s in scores])[:-1]
+    splits = np.cumsum([x.shape[-1] for x in scores])[:-1]
     out = sum(
-        jnp.einsum('bkgts,bkds->btkgd', p, v)
+        jnp.einsum('bkms,bkds->bkmd', p, v)
         for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), segments)
     )
-    return out.reshape(b, t, h, d)
+    return jnp.transpose(out.reshape(b, kv, g, t, d), (0, 3, 1, 2, 4)).reshape(b, t, h, d)
 
 
 class Attention(nnx.Module):
