@@ -14,7 +14,8 @@ and values on every call (docs/performance.md, "Verification cost").
 
 Two layouts, chosen by the model's config (`init_cache`): per-layer tuples for unrolled blocks,
 and for scan_layers one array per k and v stacked on a leading layer axis, which the scanned
-blocks read and update in place inside their `lax.scan` (no stacking or splitting per call).
+blocks read inside their `lax.scan` and `write_entries` updates in place after it (no stacking
+or splitting per call).
 Code that rewrites cache entries goes through `map_layers`, which takes either layout.
 """
 
@@ -84,7 +85,7 @@ def init_cache(
     cfg: TransformerConfig, batch_size: int, capacity: int, lengths=None, dtype=None
 ) -> KVCache:
     """An empty (or `lengths`-prefilled-with-zeros) cache of `capacity` <= cfg.max_len positions,
-    stacked on a leading layer axis when cfg.scan_layers (the layout the scanned blocks update)."""
+    stacked on a leading layer axis when cfg.scan_layers (the layout the scanned blocks read)."""
     if capacity < 1 or capacity > cfg.max_len:
         raise ValueError(
             f'cache capacity={capacity} must be in [1, max_len={cfg.max_len}] '

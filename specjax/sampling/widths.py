@@ -31,7 +31,8 @@ def verify_widths(k: int) -> tuple[int, ...]:
 def scored_call(drafter, tgd, tparams, tokens_BK1, m_B, active_B, tcache):
     """The target's cached call on the first w tokens of tokens_BK1 ([B, k + 1]: `last` and the
     proposals), w the narrowest width holding max(m + 1) over active rows -> (logits [B, k + 1, V]
-    and features [B, k + 1, n, E] or None, zero past w; cache with w entries written)."""
+    and features [B, k + 1, n, E] or None, zero past w; cache with k + 1 entries written, those
+    past w zeros that no call reads: the round leaves every row's length at most w past it)."""
     k1 = tokens_BK1.shape[1]
     widths = verify_widths(k1 - 1)
     need = jnp.max(jnp.where(active_B, m_B, 0)) + 1
