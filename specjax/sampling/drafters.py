@@ -111,6 +111,13 @@ class _ModelDrafter:
 
     variable_length = False
 
+    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None,
+                    write=True):  # fmt: skip
+        """The target's cached call with the features this draft reads (`self.feature_layers`;
+        module-level `target_call`)."""
+        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers,
+                           positions, mask, write)  # fmt: skip
+
     def new_cache(self, dgd, batch: int, capacity: int):
         return init_cache(common.config_of(dgd), batch, capacity)
 
@@ -123,12 +130,6 @@ class TokenDrafter(_ModelDrafter):
     """A Transformer draft over draft ids (vocab.to_draft maps the target ids it reads)."""
 
     feature_layers: tuple[int, ...] = ()
-
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None,
-                    write=True):  # fmt: skip
-        """The target's cached call with the features this draft reads (`target_call`)."""
-        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers,
-                           positions, mask, write)  # fmt: skip
 
     def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
         """Consumes the prompt except its last token -> (cache, feed ())."""
@@ -187,12 +188,6 @@ class FeatureDrafter(_ModelDrafter):
     """A FeatureDraft reading the target blocks `feature_layers` (module docstring)."""
 
     feature_layers: tuple[int, ...]
-
-    def target_call(self, tgd, tparams, tokens_BT, num_valid_B, tcache, positions=None, mask=None,
-                    write=True):  # fmt: skip
-        """The target's cached call with the features this draft reads (`target_call`)."""
-        return target_call(tgd, tparams, tokens_BT, num_valid_B, tcache, self.feature_layers,
-                           positions, mask, write)  # fmt: skip
 
     def init(self, dgd, dparams, cache, prompts, lengths, vocab, features_BPNE, k):
         """Consumes entries 0..P-2 of the prompt (tokens c_t, features f_{t-1}); entry P-1
