@@ -31,10 +31,13 @@ from specjax.distill import online_report as report
 from specjax.distill.online_buffer import OnlineBuffer, entry_bytes, select
 from specjax.distill.online_stream import make_stream
 from specjax.distill.online_update import (
+    STEP_KEYS,
     online_step,
+    online_steps,
     rescore_program,
     rows_batch,
     served_entries,
+    update_batches,
 )
 from specjax.distill.steps import LossSettings, draft_update
 from specjax.models import merge, split
@@ -102,14 +105,8 @@ def test_buffer_is_bounded_fifo_and_sampled_rows_hold_every_entry():
         buf.add(np.zeros((1, width + 1), np.int32), [0], [0], np.zeros((1, vocab)), [1], [0])
 
 
-@pytest.mark.parametrize('divergence', ['fkl', 'tvd'])
-def test_the_step_on_entries_equals_the_step_on_whole_rows(divergence, highest_precision):
-    """online_step runs the draft's output head and the divergence at the buffered entries only
-    ([N, E, V]); it makes the same update as draft_update over every position of the rows with
-    the entries' log-probs placed at their positions and the loss mask selecting them."""
-    width, vocab, n, e = 12, 7, 4, 5
-    model = make_model(tiny_config(vocab), seed=3, scale=3.0)
-    dgd, dparams = split(model)
+def _filled_buffer(width, vocab):
+    """A buffer of 3 rounds of 4 random rows, ~30 % of their positions entered."""
     buf = OnlineBuffer.empty(64, width, vocab)
     rng = np.random.default_rng(1)
     for r in range(3):
@@ -117,7 +114,17 @@ def test_the_step_on_entries_equals_the_step_on_whole_rows(divergence, highest_p
         rows, cols = np.nonzero(rng.random((4, width - 1)) < 0.3)
         logp = np.log(rng.dirichlet(np.ones(vocab), len(rows))).astype(np.float32)
         buf.add(seq, rows, cols, logp, np.ones(len(rows), bool), 4 * r + rows)
-    b = buf.sample(n, per_row=e, seed=0, update=0, step=0)
+    return buf
+
+
+@pytest.mark.parametrize('divergence', ['fkl', 'tvd'])
+def test_the_step_on_entries_equals_the_step_on_whole_rows(divergence, highest_precision):
+    """online_step runs the draft's output head and the divergence at the buffered entries only
+    ([N, E, V]); it makes the same update as draft_update over every position of the rows with
+    the entries' log-probs placed at their positions and the loss mask selecting them."""
+    width, vocab, n, e = 12, 7, 4, 5
+    dgd, dparams = split(make_model(tiny_config(vocab), seed=3, scale=3.0))
+    b = _filled_buffer(width, vocab).sample(n, per_row=e, seed=0, update=0, step=0)
     dense = np.zeros((n, width, vocab), np.float32)
     dense_mask = np.zeros((n, width - 1), bool)
     for i, j in zip(*np.nonzero(b['mask']), strict=True):
@@ -134,6 +141,32 @@ def test_the_step_on_entries_equals_the_step_on_whole_rows(divergence, highest_p
     params, _, want = update(dparams, tx.init(dparams), dense, whole)
     np.testing.assert_allclose(metrics['loss'], want['loss'], rtol=1e-5)
     jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, atol=1e-6), new.params, params)
+
+
+def test_an_updates_steps_in_one_program_equal_the_steps_one_by_one():
+    """online_steps (a scan over update_batches' stacked batches) makes the same S updates, in
+    the same order, as S calls of online_step on the buffer's samples for steps 0 .. S - 1."""
+    width, vocab, n, e, steps = 12, 7, 4, 5, 3
+    dgd, dparams = split(make_model(tiny_config(vocab), seed=3, scale=3.0))
+    buf = _filled_buffer(width, vocab)
+    # eps: logit_offset's gradient is 0 up to rounding, which Adam's default eps would turn
+    # into +-lr steps; the comparison is of the program, not of rounding noise
+    tx, loss = optax.adam(0.05, eps=1e-4), LossSettings(divergence='fkl')
+    fresh = lambda: TrainState(jnp.int32(0), dparams, tx.init(dparams), jax.random.PRNGKey(0))
+    one = jax.jit(functools.partial(online_step, dgd, tx=tx, loss=loss))
+    state, want = fresh(), []
+    for step in range(steps):
+        b = buf.sample(n, per_row=e, seed=0, update=2, step=step)
+        state, metrics = one(state, *(b[k] for k in STEP_KEYS))
+        want.append(float(metrics['loss']))
+    stacked = update_batches(buf, steps, n, per_row=e, seed=0, update=2)
+    assert stacked['teacher'].shape == (steps, n, e, vocab)
+    run = jax.jit(functools.partial(online_steps, dgd, tx=tx, loss=loss))
+    got, losses = run(fresh(), *(stacked[k] for k in STEP_KEYS))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert int(got.step) == steps
+    close = lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-5, atol=2e-5)  # steps: ~5e-2
+    jax.tree.map(close, got.params, state.params)
 
 
 # ---------------------------------------------------------------- exactness across an update

@@ -40,10 +40,11 @@ from specjax.distill.online_prereqs import check_target_given, prepare, target_v
 from specjax.distill.online_stream import make_stream
 from specjax.distill.online_update import (
     STEP_KEYS,
-    jit_online_step,
+    jit_online_steps,
     loss_settings,
     rescore_program,
     served_entries,
+    update_batches,
 )
 from specjax.jsonio import to_json
 from specjax.models import split
@@ -163,10 +164,9 @@ class OnlineRun:
         }
         tx = make_optimizer(optimizer_config(self.o, self.settings.total_steps))
         self.plan = plan_train_state(self.draft_cfg, tx, self.seed, self.mesh, draft_rules)
-        self.batch_sharding = batch_sharding(self.mesh, rules)
-        self.step_fn = jit_online_step(
+        self.step_fn, self.steps_sharding = jit_online_steps(
             self.dgd['online'], tx, loss_settings(self.o), self.plan.shardings,
-            self.batch_sharding, self.mesh,
+            batch_sharding(self.mesh, rules), self.mesh,
         )  # fmt: skip
         init = jax.jit(
             lambda p: TrainState(
@@ -234,17 +234,18 @@ class OnlineRun:
                 self.tparams, params, prompts, lengths, out.tokens, out.lengths, *served
             ))  # fmt: skip
         n, width, e = int(self.o.batch_size), self.settings.width, self._per_row
+        s = int(self.o.steps)
         dummy = self._place(
-            {'tokens': np.zeros((n, width), np.int32), 'length': np.ones((n,), np.int32),
-             'at': np.zeros((n, e), np.int32), 'mask': np.zeros((n, e), bool),
-             'teacher': np.zeros((n, e, self.tgd_vocab), np.float32)}
+            {'tokens': np.zeros((s, n, width), np.int32), 'length': np.ones((s, n), np.int32),
+             'at': np.zeros((s, n, e), np.int32), 'mask': np.zeros((s, n, e), bool),
+             'teacher': np.zeros((s, n, e, self.tgd_vocab), np.float32)}
         )  # fmt: skip
         copy = jax.tree.map(jnp.copy, state)
         jax.block_until_ready(self.step_fn(copy, *dummy))
         self.seconds['compile'] = time.perf_counter() - t0
 
     def _place(self, batch):
-        return [jax.device_put(batch[k], self.batch_sharding) for k in STEP_KEYS]
+        return [jax.device_put(batch[k], self.steps_sharding) for k in STEP_KEYS]
 
     def _serve(self, arm, learn, params, prompts, lengths, key):
         w0, c0 = time.perf_counter(), time.process_time()
@@ -276,18 +277,17 @@ class OnlineRun:
         return alpha, mask
 
     def _update(self, acc, state, buffer, update: int):
-        """config.online.steps distillation steps on the buffer -> the new state."""
+        """config.online.steps distillation steps on the buffer (one program) -> the new state."""
         w0, c0 = time.perf_counter(), time.process_time()
-        n, e = int(self.o.batch_size), self._per_row
-        for step in range(int(self.o.steps)):
-            batch = buffer.sample(n, per_row=e, seed=self.seed, update=update, step=step)
-            state, _ = self.step_fn(state, *self._place(batch))
+        n, e, steps = int(self.o.batch_size), self._per_row, int(self.o.steps)
+        batch = update_batches(buffer, steps, n, per_row=e, seed=self.seed, update=update)
+        state, _ = self.step_fn(state, *self._place(batch))
         jax.block_until_ready(state)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         acc.update(
             update_cpu_s=acc['update_cpu_s'] + cpu, update_wall_s=acc['update_wall_s'] + wall,
             step_cpu_s=acc['step_cpu_s'] + cpu, updates=acc['updates'] + 1,
-            steps=acc['steps'] + int(self.o.steps),
+            steps=acc['steps'] + steps,
         )  # fmt: skip
         return state
 

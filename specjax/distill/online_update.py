@@ -19,6 +19,7 @@ their stored target log-probabilities [N, E, V] (E: the most tokens a request is
 all L positions of the row: the output head and the divergence, most of a small draft's step
 over a large vocabulary, run on E rows instead of L. A divergence over blocks of consecutive
 positions (`expected_accepted_length`) sees a request's entries in position order.
+`online_steps` runs an update's steps as one compiled scan over batches stacked on the host.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from specjax.distill.sources import assemble
 from specjax.distill.steps import LossSettings, draft_update
@@ -124,14 +126,40 @@ def online_step(dgd, state, tokens_NL, length_N, at_NE, mask_NE, teacher_NEV, *,
 STEP_KEYS = ('tokens', 'length', 'at', 'mask', 'teacher')  # OnlineBuffer.sample's, in order
 
 
-def jit_online_step(dgd, tx, loss: LossSettings, state_shardings, batch_sharding, mesh):
-    """online_step jitted once with explicit shardings; the draft's state is donated."""
+def online_steps(dgd, state, tokens_SNL, length_SN, at_SNE, mask_SNE, teacher_SNEV, *, tx, loss):
+    """S online_steps in one program, batch s taken from index s of every leading axis ->
+    (state after the S steps, each step's loss float32 [S]). One dispatch for an update
+    instead of S: the same steps in the same order as S calls of `online_step`. Only the loss
+    leaves the program, so the step's other metrics (alpha, the gradient's norm: passes over
+    [N, E, V]) are not computed."""
+
+    def body(st, batch):
+        st, metrics = online_step(dgd, st, *batch, tx=tx, loss=loss)
+        return st, metrics['loss']
+
+    return jax.lax.scan(body, state, (tokens_SNL, length_SN, at_SNE, mask_SNE, teacher_SNEV))
+
+
+def update_batches(buffer, steps: int, n: int, *, per_row: int, seed: int, update: int) -> dict:
+    """An update's batches: `buffer.sample(n, ...)` for step 0 .. steps - 1, each STEP_KEYS
+    array stacked on a leading [steps] axis (online_steps' input)."""
+    batches = [
+        buffer.sample(n, per_row=per_row, seed=seed, update=update, step=step)
+        for step in range(steps)
+    ]
+    return {k: np.stack([b[k] for b in batches]) for k in STEP_KEYS}
+
+
+def jit_online_steps(dgd, tx, loss: LossSettings, state_shardings, batch_sharding, mesh):
+    """online_steps jitted with explicit shardings (each stacked batch leaf: [S] replicated,
+    then `batch_sharding`'s layout); the draft's state is donated."""
+    stacked = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
     return jax.jit(
-        on_mesh(functools.partial(online_step, dgd, tx=tx, loss=loss), mesh),
-        in_shardings=(state_shardings, *(batch_sharding,) * len(STEP_KEYS)),
+        on_mesh(functools.partial(online_steps, dgd, tx=tx, loss=loss), mesh),
+        in_shardings=(state_shardings, *(stacked,) * len(STEP_KEYS)),
         out_shardings=(state_shardings, replicated(mesh)),
         donate_argnums=0,
-    )
+    ), stacked
 
 
 def loss_settings(online) -> LossSettings:
