@@ -151,8 +151,9 @@ def update_batches(buffer, steps: int, n: int, *, per_row: int, seed: int, updat
 
 
 def jit_online_steps(dgd, tx, loss: LossSettings, state_shardings, batch_sharding, mesh):
-    """online_steps jitted with explicit shardings (each stacked batch leaf: [S] replicated,
-    then `batch_sharding`'s layout); the draft's state is donated."""
+    """-> (online_steps jitted with explicit shardings, the stacked batches' sharding: [S]
+    replicated, then `batch_sharding`'s layout, to place them with); the draft's state is
+    donated."""
     stacked = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
     return jax.jit(
         on_mesh(functools.partial(online_steps, dgd, tx=tx, loss=loss), mesh),
