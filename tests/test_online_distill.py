@@ -169,6 +169,31 @@ def test_an_updates_steps_in_one_program_equal_the_steps_one_by_one():
     jax.tree.map(close, got.params, state.params)
 
 
+def test_summary_reads_recovery_both_ways_and_the_update_fraction():
+    """summarize: recovered_from is the first post-shift window from which every later one keeps
+    >= 50 % of the frozen-to-retrained gap, reached_at the first that reaches it; a window that
+    falls back (seed 1 of the tiny preset: 0.62 then 0.41) meets the one in the first half and
+    not the other. update_fraction is update CPU over serving CPU of the online arm."""
+    online = [0.50, 0.50, 0.31, 0.38, 0.32, 0.39, 0.39, 0.39]  # recovery 0.1 0.8 0.2 0.9 0.9 0.9
+    rows = []
+    for w, a in enumerate(online):
+        domain = 'code' if w < 2 else 'prose'
+        for arm, alpha in (('online', a), ('frozen', 0.30), ('retrained', 0.40)):
+            rows.append(dict(
+                window=w, arm=arm, domain=domain, alpha=alpha, tau=1.5, requests=10,
+                tokens=100, tokens_per_s=100.0, serve_cpu_s=1.0, update_wall_s=0.1,
+                update_cpu_s=0.15 if arm == 'online' else 0.0,
+            ))  # fmt: skip
+    s = report.summarize(rows, ('code', 'prose'))
+    np.testing.assert_allclose(
+        [w['recovery'] for w in s['recovery']], [0.1, 0.8, 0.2, 0.9, 0.9, 0.9]
+    )
+    assert s['first_half_windows'] == [2, 3, 4]
+    assert (s['reached_at'], s['reached_in_first_half']) == (3, True)
+    assert (s['recovered_from'], s['recovery_target_met']) == (5, False)
+    assert s['update_fraction'] == pytest.approx(0.15) and s['update_fraction_target_met']
+
+
 # ---------------------------------------------------------------- exactness across an update
 
 V = 5

@@ -16,7 +16,8 @@ the shift). Per window and arm (online, frozen, retrained), from counts summed o
   tokens_sha256  digest of the tokens the arm served in the window (tokens_digest per call)
 Summary: per post-shift window the recovery (alpha_online - alpha_frozen) / (alpha_retrained -
 alpha_frozen), the first post-shift window from which it stays >= 0.5 (`recovered_from`), whether
-that lies in the first half of the post-shift stream (`recovery_target_met`), and the update's
+that lies in the first half of the post-shift stream (`recovery_target_met`), the first window
+where it reaches 0.5 at all (`reached_at`; `reached_in_first_half`), and the update's
 CPU time over the serving CPU time of the online arm (`update_fraction`, target <= 0.2).
 """
 
@@ -139,6 +140,7 @@ def summarize(rows: list[dict], domains) -> dict:
         per_window.append({'window': arms['online'][i]['window'], 'recovery': recovery(o, f, r)})
     ok = [w['recovery'] is not None and w['recovery'] >= RECOVERY_GOAL for w in per_window]
     start = next((j for j in range(len(ok)) if all(ok[j:])), None)
+    reached = next((j for j in range(len(ok)) if ok[j]), None)
     first_half = len(per_window) // 2 or 1
     online = arms['online']
     update_cpu = sum(r['update_cpu_s'] * r['requests'] for r in online)
@@ -156,6 +158,8 @@ def summarize(rows: list[dict], domains) -> dict:
         'post_shift_windows': [w['window'] for w in per_window],
         'first_half_windows': [w['window'] for w in per_window[:first_half]],
         'recovery_target_met': start is not None and start < first_half,
+        'reached_at': None if reached is None else per_window[reached]['window'],
+        'reached_in_first_half': reached is not None and reached < first_half,
         'update_cpu_s_total': update_cpu,
         'serve_cpu_s_total': serve_cpu,
         'update_fraction': _ratio(update_cpu, serve_cpu),
