@@ -33,11 +33,8 @@ last alpha), the held-out TTT loss, the last logged training alpha and wall seco
 the same --workdir reuses the target, rows, cache and finished sizes (an unfinished one resumes;
 changed settings are refused by the mode, naming them: use another --workdir).
 
-Run time on this 2-core CPU (measured 2026-12-06 beside a test suite: a 131-row smollm2 size):
-tiny ~1 minute cold, 20 s with the compilation cache. smollm2 at the defaults (1,048,576 tokens,
-~8,350 rows; ttt_steps 4; one pass): feature cache 0.63 s a row (~1.5 h), 9.0 s a step (1,958
-steps over the four sizes: ~4.9 h), ~85 s a size of compiles and evaluation: about 6.5 hours.
---ttt_steps=3 (~5 s a step): about 4.5 h; --ttt_steps=1 (~1.1 s): about 2 h.
+Run times measured on a 2-core CPU: docs/findings.md, "How much data a SmolLM2 feature draft
+needs".
 """
 
 from __future__ import annotations
