@@ -14,20 +14,22 @@ Each size is one feature_draft mode run (specjax.distill.feature_mode; configs/f
 sections, the same seed, draft shape and unroll depth) on the first rows of one row stream:
 max_tokens / ratio^i real (non-padding) tokens, i = 3 .. 0, so each size's rows begin with the
 smaller sizes'; --epochs passes (steps = ceil(epochs rows / batch), warmup a tenth), or --steps
-for every size (the same compute: data alone varies). Rows: packed
-train-split corpus rows (--rows=corpus; the stdlib train split holds 2.53M SmolLM2 tokens, so 1M
-fit in under one pass) or the target's T = 1 continuations of their first distill.prompt_len
-tokens (--rows=teacher: self-distillation). A stream lives in <workdir>/<rows>_seed<s>_<max_tokens>
-(D below): rows.npz, the sizes' workdirs tokens_<n>, and the target's features and log-probs on
-the largest size's rows, computed once into D/feature_cache (specjax.distill.feature_cache:
-bfloat16 on disk, 1.5 MB a SmolLM2 row, 12 GB for 1M tokens). Held-out: the validation split's
-first eval_batches batches (continued by the target for --rows=teacher), scored by the frozen
-target in float32.
+for every size (the same compute: data alone varies); --init_head starts the draft's final norm
+and head as the target's (config.feature.init_head). Rows: packed train-split corpus rows
+(--rows=corpus; the stdlib train split holds 2.53M SmolLM2 tokens, so 1M fit in under one pass)
+or the target's T = 1 continuations of their first distill.prompt_len tokens (--rows=teacher:
+self-distillation). A stream lives in <workdir>/<rows>_seed<s>_<max_tokens> (D below): rows.npz,
+the sizes' workdirs tokens_<n> (tokens_<n>_init_head with --init_head), and the target's
+features and log-probs on the largest size's rows, computed once into D/feature_cache
+(specjax.distill.feature_cache: bfloat16 on disk, 1.5 MB a SmolLM2 row, 12 GB for 1M tokens).
+Held-out: the validation split's first eval_batches batches (continued by the target for
+--rows=teacher), scored by the frozen target in float32.
 
-Written to --out (default D/feature_scaling.json, via specjax.jsonio, with the corpus and
-tokenizer digests), beside it as .md and .png, and printed: per size the training tokens, rows,
-steps, held-out alpha at draft positions j = 1..ttt_steps (the mode's alpha_step{j-1}: mean
-sum min(p, q) at T = 1 after j - 1 self-fed steps), tau = 1 + sum_{i<=k} prod_{j<=i} alpha_j
+Written to --out (default D/feature_scaling.json, D/feature_scaling_init_head.json with
+--init_head; via specjax.jsonio, with the corpus and tokenizer digests), beside it as .md and
+.png, and printed: per size the training tokens, rows, steps, held-out alpha at draft positions
+j = 1..ttt_steps (the mode's alpha_step{j-1}: mean sum min(p, q) at T = 1 after j - 1 self-fed
+steps), tau = 1 + sum_{i<=k} prod_{j<=i} alpha_j
 (specjax.sampling.stats.expected_block_efficiency_by_position; positions past the unroll take its
 last alpha), the held-out TTT loss, the last logged training alpha and wall seconds. A rerun with
 the same --workdir reuses the target, rows, cache and finished sizes (an unfinished one resumes;
@@ -77,6 +79,7 @@ def parser():
         help='held-out batches (0: preset; kept from a first run)',
     )
     p.add_argument('--rows', default='corpus', choices=('corpus', 'teacher'))
+    p.add_argument('--init_head', action='store_true', help="the target's head (init_head)")
     p.add_argument('--data_dir', default='', help="TFDS data_dir ('': the config's)")
     return p
 
@@ -272,6 +275,7 @@ def run(args) -> dict:
         cfg.data.data_dir = args.data_dir
     cfg.seed = args.seed
     cfg.feature.ttt_steps = args.ttt_steps or p['ttt_steps']
+    cfg.feature.init_head, tag = args.init_head, '_init_head' if args.init_head else ''
     cfg.feature.vocab_size = 0  # all of vocab.json's ids (written with the preset's count)
     cfg.train.batch_size = args.batch or 8
     p_len = cfg.distill.prompt_len = p['prompt_len']  # --rows=teacher: the prompts continued
@@ -302,7 +306,7 @@ def run(args) -> dict:
     )  # fmt: skip
     sizes = []
     for m, tokens in size_rows(arrays, max_tokens, args.sizes, args.ratio):
-        size_wd = os.path.join(data_wd, f'tokens_{tokens}')
+        size_wd = os.path.join(data_wd, f'tokens_{tokens}{tag}')
         r = train_size(cfg, size_wd, arrays, m, features, teacher, tok, args.epochs, args.steps)
         alpha = [float(r[f'alpha_step{j}']) for j in range(depth)]
         sizes.append(dict(
@@ -320,7 +324,8 @@ def run(args) -> dict:
         benchmark='feature_scaling', preset=args.preset, rows_kind=args.rows, workdir=data_wd,
         draft=draft,
         target={'workdir': teacher.workdir, 'params': teacher.config.num_params},
-        ttt_steps=depth, k=args.k, batch=batch, seq_len=int(cfg.data.seq_len),
+        ttt_steps=depth, init_head=args.init_head, k=args.k, batch=batch,
+        seq_len=int(cfg.data.seq_len),
         lr=float(cfg.train.lr), seed=args.seed, epochs=args.epochs, steps=args.steps,
         max_tokens=max_tokens,
         corpus_train_tokens=corpus_tokens, eval_rows=len(arrays['eval_tokens']),
@@ -342,6 +347,7 @@ def table(r: dict) -> str:
         for s in r['sizes']
     ]  # fmt: skip
     how = f'{r["steps"]} steps' if r['steps'] else f'{r["epochs"]:g} pass(es)'
+    how += ", the target's head at the start" if r.get('init_head') else ''
     title = (
         f'Feature draft ({r["draft"]["params"]:,} params, unroll {depth}) of the {r["preset"]} '
         f'target on {r["rows_kind"]} rows, {how}, held-out {r["eval_tokens"]:,} tokens; α at T = 1'
@@ -378,7 +384,8 @@ def main(argv=None) -> dict:
     args = parser().parse_args(argv)
     cli.setup_cache(args)
     result = run(args)
-    out = args.out or os.path.join(result['workdir'], 'feature_scaling.json')
+    tag = '_init_head' if args.init_head else ''
+    out = args.out or os.path.join(result['workdir'], f'feature_scaling{tag}.json')
     stem = os.path.splitext(out)[0]
     text = table(result)
     result['table'], result['plot'] = stem + '.md', plot(result, stem + '.png')

@@ -2,7 +2,7 @@
 corpus): one row per data size, sizes increasing and nested, alpha per draft position in [0, 1]
 for each unrolled step, tau from those alphas by stats.expected_block_efficiency_by_position, the
 JSON (with the corpus and tokenizer digests), table and plot written, and a rerun reads the
-finished sizes back instead of training them again."""
+finished sizes back instead of training them again; --init_head trains beside them."""
 
 from __future__ import annotations
 
@@ -111,3 +111,17 @@ def test_teacher_rows_continue_the_corpus_rows_prompts(run):
     for row, prompt, n in zip(teacher, prompts, lengths, strict=True):
         np.testing.assert_array_equal(row[:n], prompt[:n])
     assert not np.array_equal(teacher, corpus['tokens'])
+
+
+def test_init_head_trains_beside_the_seeded_sizes_and_keeps_their_json(run):
+    """--init_head in the same workdir: its own size workdir and JSON over the same rows and
+    cache; the seeded run's JSON is left as it was."""
+    wd, argv, r = run
+    before = jsonio.read_json(os.path.join(r['workdir'], 'feature_scaling.json'))
+    h = feature_scaling.main(argv + ['--init_head', '--sizes=1'])
+    (s,) = h['sizes']
+    assert h['init_head'] and not r['init_head'] and s['rows'] == r['sizes'][-1]['rows']
+    assert s['workdir'] == r['sizes'][-1]['workdir'] + '_init_head'
+    saved = jsonio.read_json(os.path.join(r['workdir'], 'feature_scaling_init_head.json'))
+    assert saved == jsonio.to_json(h)
+    assert jsonio.read_json(os.path.join(r['workdir'], 'feature_scaling.json')) == before

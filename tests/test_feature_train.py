@@ -29,7 +29,9 @@ from specjax.distill.sources import DistillData
 from specjax.models import Transformer, TransformerConfig, init_cache
 from specjax.models.feature_draft import FeatureDraftConfig, from_target
 from specjax.parallel import default_mesh_config
+from specjax.parallel.mesh import mesh_rules
 from specjax.train.config import default_train_config
+from specjax.train.optimizer import make_optimizer
 
 V, T, B, BOS, EOS = 32, 16, 4, 1, 2
 TOKENIZER = {'kind': 'stub', 'vocab_size': V}
@@ -301,6 +303,27 @@ def test_bad_config_is_refused_naming_the_field_before_compiling(
     with pytest.raises(ValueError, match=match):
         fm.run_feature_draft(c, str(tmp_path / 'bad'), data=_data())
     assert not (tmp_path / 'bad').exists()
+
+
+def test_init_head_starts_the_head_at_the_targets_columns_and_nothing_else(target_dir):
+    """config.feature.init_head: the initial state's final norm and head are the target's (its
+    output columns of the draft vocabulary); every other parameter is the seeded one."""
+    c = _config(target_dir, init_head=True)
+    draft_cfg, ids = fm.prepare(c, data_config=False)
+    teacher, mesh, _ = fm.load_target(c)
+    rules = mesh_rules(c.mesh)[1]
+    tx = make_optimizer(c.train)
+    seeded = fm.plan_state(draft_cfg, teacher, tx, 0, mesh, rules)[3]().params
+    headed = fm.plan_state(draft_cfg, teacher, tx, 0, mesh, rules, ids)[3]().params
+    target = nnx.merge(teacher.graphdef, teacher.params)
+    np.testing.assert_array_equal(headed['lm_head'][...], np.asarray(target.embed[...]).T[:, IDS])
+    np.testing.assert_array_equal(headed['final_norm']['scale'][...], target.final_norm.scale[...])
+    flat = dict(nnx.to_flat_state(headed))
+    for path, a in nnx.to_flat_state(seeded):
+        if path[0] not in ('lm_head', 'final_norm'):
+            np.testing.assert_array_equal(a[...], flat[path][...])
+    assert fm.loss_identity(c)['init_head'] is True
+    assert 'init_head' not in fm.loss_identity(_config(target_dir))  # older workdirs resume
 
 
 def test_smollm2_feature_stage_trains_on_the_teacher_cache_rows(target_dir, tmp_path):

@@ -208,3 +208,21 @@ def test_entry_zero_is_seen_by_itself_only(model):
     cache = draft.init_cache(b, capacity=16)
     lc, _, _ = draft.decode(other_tokens, other_feats, jnp.full((b,), t), cache)
     np.testing.assert_allclose(lc[:, 1:], lb[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_head_from_the_target_gives_the_targets_logits_of_the_draft_vocabulary(tie):
+    """from_target(..., head_ids=ids): the draft's final norm and head are the target's, so its
+    logits of any output state are the target's logits of it at ids; a wrong length is refused."""
+    target = Transformer(dataclasses.replace(CFG, tie_embeddings=tie), rngs=nnx.Rngs(2))
+    target.final_norm.scale[...] = 1.0 + jax.random.uniform(jax.random.key(3), (CFG.d_model,))
+    ids = np.array([5, 0, 60, 17, 33, 2, 41])
+    cfg = FeatureDraftConfig.for_target(target.config, draft_vocab_size=len(ids))
+    draft = from_target(target, cfg, rngs=nnx.Rngs(1), head_ids=ids)
+    h = jax.random.normal(jax.random.key(4), (2, 3, CFG.d_model))
+    want = np.asarray(target._logits(h))[..., ids]
+    np.testing.assert_allclose(np.asarray(draft._head(h)), want, rtol=1e-5, atol=1e-5)
+    seeded = from_target(target, cfg, rngs=nnx.Rngs(1))  # EAGLE-3's start: only the embedding
+    assert not np.allclose(np.asarray(seeded._head(h)), want, atol=1e-2)
+    with pytest.raises(ValueError, match=r'head_ids has shape \(3,\).*\(7,\)'):
+        from_target(target, cfg, rngs=nnx.Rngs(1), head_ids=ids[:3])

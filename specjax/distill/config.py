@@ -238,6 +238,9 @@ def default_feature_config() -> ml_collections.ConfigDict:
     c.vocab_file = ''  # JSON with 'ids' (target ids, most frequent first); '' = full vocabulary
     c.vocab_size = 0  # the first vocab_size ids of vocab_file (0 = all of them)
     c.freeze_embedding = True  # keep the embedding copied from the target fixed
+    # the draft's final norm and head start as the target's (its output columns of the draft's
+    # vocabulary); False: from the seed, as EAGLE-3
+    c.init_head = False
     # the target's features and log-probs on a finite row set computed once, kept in bfloat16
     # (specjax.distill.feature_cache; needs source 'dataset' and a caller that builds it: the
     # SmolLM2 preset's stage); False: the frozen target runs in every step
@@ -309,6 +312,8 @@ def validate_feature_draft_config(config) -> None:
         raise ValueError(
             f'config.feature.freeze_embedding must be True or False, got {f.freeze_embedding!r}'
         )
+    if not isinstance(f.init_head, bool):
+        raise ValueError(f'config.feature.init_head must be True or False, got {f.init_head!r}')
     if not isinstance(f.cache, bool):
         raise ValueError(f'config.feature.cache must be True or False, got {f.cache!r}')
     if f.cache and d.source != 'dataset':

@@ -11,8 +11,9 @@ with config.feature.cache, read from the training batches (`features`, `target_l
 specjax.distill.feature_cache the caller built for a finite row set and passes as
 `feature_cache`; results.json then records its size and build time). Evaluation always runs the
 frozen target (float32), cached or not.
-The draft starts from the target's embedding (from_target; kept fixed with freeze_embedding)
-and is trained with config.train's optimizer on the target's mesh (config.mesh.draft_rules).
+The draft starts from the target's embedding (from_target; kept fixed with freeze_embedding),
+with config.feature.init_head its final norm and head too, and is trained with config.train's
+optimizer on the target's mesh (config.mesh.draft_rules).
 
 The workdir: checkpoints whose metadata holds 'feature_draft_config' (FeatureDraftConfig.to_dict)
 and 'draft_vocab' ({'ids': N target ids or None, 'target_vocab_size'}), draft_vocab.json beside
@@ -151,7 +152,10 @@ def loss_identity(config) -> dict:
     d, f = config.distill, config.feature
     out = {k: d[k] for k in ('divergence', 'beta', 'source', 'prompt_len', 'max_new_tokens')}
     data = 'cached-bf16' if f.cache else 'online'  # where the target's side comes from
-    return dict(out, ttt_steps=f.ttt_steps, step_decay=f.step_decay, feature_data=data)
+    out = dict(out, ttt_steps=f.ttt_steps, step_decay=f.step_decay, feature_data=data)
+    if f.init_head:  # absent otherwise: workdirs from before the option resume unchanged
+        out['init_head'] = True
+    return out
 
 
 def load_target(config):
@@ -164,16 +168,18 @@ def _abstract_draft(draft_cfg):
     return nnx.split(nnx.eval_shape(lambda: FeatureDraft(draft_cfg, rngs=nnx.Rngs(0))))
 
 
-def plan_state(draft_cfg, teacher, tx, seed: int, mesh, rules):
+def plan_state(draft_cfg, teacher, tx, seed: int, mesh, rules, head_ids=None):
     """(graphdef, state shardings, abstract state, init): the draft's TrainState, initialised
-    from the target (from_target: its embedding copied, the rest from PRNGKey(seed))."""
+    from the target (from_target: its embedding copied, with head_ids its final norm and head
+    too, the rest from PRNGKey(seed))."""
     graphdef, abstract_params = _abstract_draft(draft_cfg)
     shardings = state_shardings(tx, abstract_params, mesh, rules)
 
     def init_fn(teacher_params):
         init_key, state_key = jax.random.split(jax.random.PRNGKey(seed))
         target = nnx.merge(teacher.graphdef, teacher_params)
-        _, params = nnx.split(from_target(target, draft_cfg, rngs=nnx.Rngs(params=init_key)))
+        draft = from_target(target, draft_cfg, rngs=nnx.Rngs(params=init_key), head_ids=head_ids)
+        _, params = nnx.split(draft)
         step = jnp.zeros((), jnp.int32)
         return TrainState(step=step, params=params, opt_state=tx.init(params), rng=state_key)
 
@@ -259,8 +265,10 @@ def build_feature_draft(
     tx = make_optimizer(config.train)
     if draft_cfg.freeze_embedding:
         tx = ttt.frozen_embedding(tx)
+    vocab_ids = np.arange(draft_cfg.vocab_size) if ids is None else ids  # as target ids
+    head_ids = vocab_ids if config.feature.init_head else None
     graphdef, shardings, abstract, init = plan_state(
-        draft_cfg, teacher, tx, int(config.seed), mesh, draft_rules
+        draft_cfg, teacher, tx, int(config.seed), mesh, draft_rules, head_ids
     )
     b_sharding = batch_sharding(mesh, rules)
     t_shardings = param_shardings(mesh, teacher.params, rules)

@@ -239,9 +239,16 @@ class FeatureDraft(nnx.Module):
         return self._head(x), x, kvc.write_entries(cache, new, num_valid)
 
 
-def from_target(target, config: FeatureDraftConfig, *, rngs: nnx.Rngs) -> FeatureDraft:
+def from_target(
+    target, config: FeatureDraftConfig, *, rngs: nnx.Rngs, head_ids=None
+) -> FeatureDraft:
     """A FeatureDraft for `target` (a Transformer of config.target) with the target's embedding
-    copied in; ValueError naming the field when the target's config is not config.target."""
+    copied in; ValueError naming the field when the target's config is not config.target.
+
+    head_ids: None (the head and final norm from `rngs`, EAGLE-3's start) or the draft's
+    vocabulary as target ids, int [config.vocab_size] (arange for the full vocabulary): the final
+    norm and head start as the target's, the head holding the target's output columns of those
+    ids, so the draft's logits of an output state equal the target's logits of it at head_ids."""
     if target.config != config.target:
         raise ValueError(
             'from_target: the target model config differs from FeatureDraftConfig.target '
@@ -249,4 +256,14 @@ def from_target(target, config: FeatureDraftConfig, *, rngs: nnx.Rngs) -> Featur
         )
     draft = FeatureDraft(config, rngs=rngs)
     draft.embed[...] = target.embed[...]
+    if head_ids is not None:
+        ids = jnp.asarray(head_ids, jnp.int32)
+        if ids.shape != (config.vocab_size,):
+            raise ValueError(
+                f'from_target: head_ids has shape {ids.shape}, the draft vocabulary needs '
+                f'({config.vocab_size},)'
+            )
+        out_EV = target.embed[...].T if config.target.tie_embeddings else target.lm_head[...]
+        draft.lm_head[...] = jnp.take(out_EV, ids, axis=1).astype(draft.lm_head[...].dtype)
+        draft.final_norm.scale[...] = target.final_norm.scale[...]
     return draft
