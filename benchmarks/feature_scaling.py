@@ -384,8 +384,8 @@ def main(argv=None) -> dict:
     args = parser().parse_args(argv)
     cli.setup_cache(args)
     result = run(args)
-    tag = '_init_head' if args.init_head else ''
-    out = args.out or os.path.join(result['workdir'], f'feature_scaling{tag}.json')
+    name = 'feature_scaling_init_head.json' if result['init_head'] else 'feature_scaling.json'
+    out = args.out or os.path.join(result['workdir'], name)
     stem = os.path.splitext(out)[0]
     text = table(result)
     result['table'], result['plot'] = stem + '.md', plot(result, stem + '.png')
